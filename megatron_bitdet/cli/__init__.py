@@ -1,0 +1,61 @@
+"""The `bitdet` console command.
+
+Each subcommand lives in its own module under ``megatron_bitdet.cli`` and exposes
+``register(subparsers)`` (adds its parser and sets ``func``) — the registry below is
+the only place that lists them.  ``func(args)`` returns the exit code.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from megatron_bitdet.errors import BitdetError
+
+# module name -> one-line summary (kept here so `bitdet --help` needs no heavy imports)
+SUBCOMMANDS = {
+    "recipe": "validate / show YAML recipes",
+    "enforce": "apply --deterministic-mode for a recipe and print the environment and manifest",
+    "train": "pretrain the hybrid Nemotron on megatron-core with per-step fingerprints",
+    "compare": "compare two runs' fingerprints step by step (exit 0 match, 1 diverged, 2 bad input)",
+    "verify_resume": "check bitwise checkpoint resume against an uninterrupted run",
+    "tax": "measure the determinism tax against the fastest nondeterministic recipe",
+    "prove": "the main job: independent runs, resumed runs, comparisons, tax and report",
+    "localize": "find the first op whose inputs match but outputs differ between two runs",
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="bitdet",
+        description="Bitwise-deterministic pretraining for Megatron Core: enforce, prove, localize, measure.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, summary in SUBCOMMANDS.items():
+        try:
+            mod = importlib.import_module(f"megatron_bitdet.cli.{name}_cmd")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"megatron_bitdet.cli.{name}_cmd":
+                raise
+            continue  # subcommand not built yet
+        mod.register(sub, summary)
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except BitdetError as exc:
+        print(f"bitdet {args.command}: error: {exc}", file=sys.stderr)
+        return exc.exit_code
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
