@@ -1,0 +1,207 @@
+"""The recipe schema: one frozen dataclass per YAML section, attribute names = YAML keys.
+
+``_checks`` methods hold the derived constraints (divisibility, pattern symbols, ...); they run only when
+the section's own fields are well typed, and yield ``(key path relative to the section, message)``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, Optional
+
+from megatron_bitdet.recipe.typed import bounded, checked
+
+PATTERN_SYMBOLS = {"M": "Mamba-2", "*": "attention", "-": "MLP", "E": "MoE"}
+
+
+def _pattern_issue(pattern: str):
+    bad = sorted(set(pattern) - set(PATTERN_SYMBOLS))
+    if bad or not pattern:
+        allowed = ", ".join(f"{s} ({n})" for s, n in PATTERN_SYMBOLS.items())
+        return f"symbols {bad or 'none'} not supported; allowed: {allowed}"
+    return None
+
+
+def _divides(a_key, a, b_key, b):
+    if a and b and b % a:
+        yield b_key, f"{b} is not divisible by {a_key} ({a})"
+
+
+@dataclass(frozen=True)
+class MambaConfig:
+    num_heads: int = bounded(8, ge=1)
+    head_dim: int = bounded(64, ge=1)
+    state_dim: int = bounded(128, ge=1)
+    num_groups: int = bounded(8, ge=1)
+    chunk_size: int = bounded(128, ge=1)
+    conv_kernel: int = bounded(4, ge=1, le=8)  # causal_conv1d supports widths 2..4; torch any small width
+
+    def _checks(self):
+        yield from _divides("mamba.num_groups", self.num_groups, "num_heads", self.num_heads)
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    num_experts: int = bounded(0, ge=0)
+    top_k: int = bounded(2, ge=1)
+    ffn_hidden_size: Optional[int] = bounded(None, ge=1)
+    shared_expert_ffn_hidden_size: Optional[int] = bounded(None, ge=1)
+    router_score_function: Literal["softmax", "sigmoid"] = "softmax"
+    router_expert_bias: bool = False
+    load_balancing: Literal["aux_loss", "seq_aux_loss", "global_aux_loss", "none"] = "aux_loss"
+    aux_loss_coeff: float = bounded(0.0, ge=0.0)
+    dispatcher: Literal["alltoall", "allgather"] = "alltoall"
+    # sequential: megatron SequentialMLP; grouped: bitdet deterministic grouped GEMM;
+    # te_grouped: megatron TEGroupedMLP (moe_grouped_gemm) whose dprob epilogue uses atomics.
+    expert_impl: Literal["sequential", "grouped", "te_grouped"] = "sequential"
+    router_fusion: bool = False   # TE fused top-k + aux loss (atomicAdd across CTAs)
+    permute_fusion: bool = False  # TE fused permute / unpermute (bypasses megatron's index_add_ branch)
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    hybrid_pattern: str = checked(_pattern_issue)
+    hidden_size: int = bounded(ge=1)
+    ffn_hidden_size: int = bounded(ge=1)
+    num_attention_heads: int = bounded(ge=1)
+    seq_length: int = bounded(ge=1)
+    vocab_size: int = bounded(ge=1)
+    num_query_groups: Optional[int] = bounded(None, ge=1)
+    kv_channels: Optional[int] = bounded(None, ge=1)  # attention head dim; default hidden / heads
+    activation: Literal["squared_relu", "gelu", "swiglu", "relu"] = "squared_relu"
+    add_bias_linear: bool = False
+    normalization: Literal["RMSNorm", "LayerNorm"] = "RMSNorm"
+    position_embedding: Literal["none", "rope", "learned_absolute"] = "none"
+    hidden_dropout: float = bounded(0.0, ge=0.0, lt=1.0)
+    attention_dropout: float = bounded(0.0, ge=0.0, lt=1.0)
+    params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    spec: Literal["auto", "local", "te"] = "auto"
+    mtp_num_layers: int = bounded(0, ge=0)
+    cross_entropy_loss_fusion: bool = False
+    use_fla: bool = False  # FLA kernels for gated-delta-net linear attention (GDN, pattern G in mcore >= 0.17)
+    mamba: MambaConfig = field(default_factory=MambaConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.hybrid_pattern)
+
+    def has(self, symbol: str) -> bool:
+        return symbol in self.hybrid_pattern
+
+    def _checks(self):
+        yield from _divides("num_attention_heads", self.num_attention_heads, "hidden_size", self.hidden_size)
+        yield from _divides("num_query_groups", self.num_query_groups, "num_attention_heads",
+                            self.num_attention_heads)
+        if self.has("E"):
+            if self.moe.num_experts == 0:
+                yield "moe.num_experts", "the pattern has MoE layers (E) but moe.num_experts is 0"
+            elif self.moe.top_k > self.moe.num_experts:
+                yield "moe.top_k", f"{self.moe.top_k} exceeds moe.num_experts ({self.moe.num_experts})"
+            if self.moe.ffn_hidden_size is None:
+                yield "moe.ffn_hidden_size", "required when the pattern has MoE layers (E)"
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor: int = bounded(1, ge=1)
+    pipeline: int = bounded(1, ge=1)
+    expert: int = bounded(1, ge=1)
+    expert_tensor: int = bounded(1, ge=1)
+    context: int = bounded(1, ge=1)
+    sequence_parallel: bool = False
+    distributed_optimizer: bool = False
+    tp_comm_overlap: bool = False  # TE userbuffers GEMM+comm overlap; refused in deterministic mode
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    name: Literal["adam", "sgd"] = "adam"
+    lr: float = bounded(3e-4, gt=0.0)
+    min_lr: float = bounded(0.0, ge=0.0)
+    weight_decay: float = bounded(0.0, ge=0.0)
+    beta1: float = bounded(0.9, ge=0.0, lt=1.0)
+    beta2: float = bounded(0.95, ge=0.0, lt=1.0)
+    eps: float = bounded(1e-8, gt=0.0)
+    clip_grad: float = bounded(1.0, ge=0.0)
+
+    def _checks(self):
+        if self.min_lr > self.lr:
+            yield "min_lr", f"{self.min_lr} exceeds lr ({self.lr})"
+
+
+@dataclass(frozen=True)
+class LRScheduleConfig:
+    style: Literal["cosine", "linear", "constant"] = "cosine"
+    warmup_iters: int = bounded(0, ge=0)
+
+
+@dataclass(frozen=True)
+class TrainingConfig:
+    iterations: int = bounded(10, ge=1)
+    micro_batch_size: int = bounded(1, ge=1)
+    global_batch_size: int = bounded(1, ge=1)
+    seed: int = bounded(1234, ge=0)
+    log_interval: int = bounded(1, ge=1)
+    torch_compile: Literal["none", "default", "max-autotune"] = "none"
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
+
+    def _checks(self):
+        yield from _divides("micro_batch_size", self.micro_batch_size, "global_batch_size",
+                            self.global_batch_size)
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    corpus: str = "python-stdlib"
+    tokenizer: Literal["byte"] = "byte"
+    cache_dir: Optional[str] = None
+    split: str = "98,1,1"
+
+    def _checks(self):
+        parts = self.split.split(",")
+        if len(parts) != 3 or not all(p.strip().isdigit() for p in parts) or not any(int(p) for p in parts):
+            yield "split", f"{self.split!r} must be three non-negative integers 'train,valid,test'"
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    format: Literal["torch_dist"] = "torch_dist"
+    save_interval: int = bounded(0, ge=0)
+
+
+@dataclass(frozen=True)
+class DeterminismConfig:
+    mode: bool = True
+    threads: Optional[int] = bounded(None, ge=1)  # torch intra-op threads; None = leave (still recorded)
+    # Off by default: torch's NaN fill of torch.empty is ~all of the upstream tax on CPU; reads of
+    # uninitialized memory are caught by the repeat-and-compare kernel tests and the op traces instead.
+    fill_uninitialized_memory: bool = False
+    env: dict[str, str] = field(default_factory=dict)
+    opt_out: tuple[str, ...] = ()
+    swaps: bool = True  # let registered deterministic variants replace refused features
+
+
+@dataclass(frozen=True)
+class RecipeConfig:
+    name: str
+    model: ModelConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    determinism: DeterminismConfig = field(default_factory=DeterminismConfig)
+
+    def _checks(self):
+        m, p = self.model, self.parallel
+        yield from _divides("parallel.tensor", p.tensor, "model.num_attention_heads", m.num_attention_heads)
+        yield from _divides("parallel.tensor", p.tensor, "model.num_query_groups", m.num_query_groups)
+        if m.has("M"):
+            yield from _divides("parallel.tensor", p.tensor, "model.mamba.num_heads", m.mamba.num_heads)
+            yield from _divides("parallel.tensor", p.tensor, "model.mamba.num_groups", m.mamba.num_groups)
+        if m.has("E"):
+            yield from _divides("parallel.expert", p.expert, "model.moe.num_experts", m.moe.num_experts)
+        elif p.expert > 1:
+            yield "parallel.expert", f"{p.expert} > 1 but the pattern has no MoE layers (E)"
+        if p.pipeline > m.num_layers:
+            yield "parallel.pipeline", f"{p.pipeline} stages exceed the {m.num_layers} layers"
