@@ -1,0 +1,1 @@
+"""Pure-torch deterministic kernels (SSD scan, gated RMSNorm, causal conv1d, MoE); import the submodules."""
