@@ -1,0 +1,132 @@
+"""The canonical determinism environment: upstream Megatron-LM's table plus what a bitwise run also needs.
+
+A launcher's value is validated, never overwritten; unset variables with a default are filled; a
+recipe's ``determinism.env`` sets values too (validated the same way, and must agree with the launcher).
+Where a determinism *rule* judges a variable (``governed_by``), this table only checks the syntax and the
+rule decides, so the refusal carries the rule's why/fix and the rule's opt-out applies.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Mapping, Optional
+
+from megatron_bitdet.errors import BitdetInputError
+
+NCCL_ALGOS = ("Ring", "Tree", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
+NCCL_DETERMINISTIC_TOKENS = ("Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+
+
+def nccl_tokens(value: str) -> list:
+    return [t.strip() for t in value.split(",") if t.strip()]
+
+
+def _nccl_syntax(value: str) -> bool:
+    known = {a.lower() for a in NCCL_ALGOS}
+    tokens = nccl_tokens(value)
+    return bool(tokens) and all(t.lstrip("^").lower() in known for t in tokens)
+
+
+def nccl_deterministic(value: str) -> bool:
+    ok = {t.lower() for t in NCCL_DETERMINISTIC_TOKENS}
+    return _nccl_syntax(value) and all(t.lower() in ok for t in nccl_tokens(value))
+
+
+def _one_of(*values):
+    return lambda v: v in values
+
+
+def _positive_int(v: str) -> bool:
+    return v.isdigit() and int(v) > 0
+
+
+@dataclass(frozen=True)
+class EnvVar:
+    name: str
+    default: Optional[str]          # filled when unset; None = only recorded
+    valid: Callable[[str], bool]    # accepted values (or, when governed_by, the well-formed ones)
+    accepted: str                   # the accepted values, for messages
+    read_by: str                    # reader key for late-application checks (see enforce.late)
+    why: str
+    governed_by: Optional[str] = None
+
+
+ENV_TABLE = (
+    EnvVar("NCCL_ALGO", "Ring", _nccl_syntax, f"comma-separated tokens of {', '.join(NCCL_DETERMINISTIC_TOKENS)}",
+           "nccl", "pins the collective algorithm (Tree/NVLS reduce in topology-dependent order)",
+           governed_by="nccl_tree"),
+    EnvVar("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0", _one_of("0", "1"), "0",
+           "transformer_engine", "TE then selects only deterministic attention backends",
+           governed_by="te_attention_nondeterministic"),
+    EnvVar("CUBLAS_WORKSPACE_CONFIG", ":4096:8", _one_of(":4096:8", ":16:8"), ":4096:8 or :16:8",
+           "cublas", "a fixed cuBLAS workspace makes split-K GEMM reductions reproducible"),
+    EnvVar("MAMBA_DETERMINISTIC", "1", lambda v: v.startswith("1"), "a value starting with 1",
+           "mamba_ssm", "mamba-ssm Triton kernels: pinned autotune config, ordered workspace sums"),
+    EnvVar("CAUSAL_CONV1D_DETERMINISTIC", "1", lambda v: v.startswith("1"), "a value starting with 1",
+           "causal_conv1d", "causal_conv1d >= 1.6 backward: per-block workspace instead of atomics"),
+    EnvVar("BITDET_TRITON_AUTOTUNE", "pinned", _one_of("pinned", "auto"), "pinned",
+           "bitdet_kernels", "bitdet's Triton kernels use one fixed config (tl.cumsum bits vary with block size)",
+           governed_by="triton_autotune"),
+    EnvVar("TORCHINDUCTOR_MAX_AUTOTUNE", "0", _one_of("0", "1"), "0", "inductor",
+           "inductor max-autotune benchmarks kernels at run time and may pick a different one each run",
+           governed_by="torch_compile_max_autotune"),
+    EnvVar("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM", "0", _one_of("0", "1"), "0", "inductor",
+           "as TORCHINDUCTOR_MAX_AUTOTUNE, for GEMM templates only", governed_by="torch_compile_max_autotune"),
+    EnvVar("PYTHONHASHSEED", "0", lambda v: v.isdigit(), "a decimal integer (not 'random')", "python",
+           "str/bytes hashing (set iteration order); affects only processes started after enforcement"),
+    EnvVar("NVTE_FLASH_ATTN", None, _one_of("0", "1"), "0 or 1", "transformer_engine",
+           "recorded: which TE attention backends may be chosen is part of the scope"),
+    EnvVar("NVTE_FUSED_ATTN", None, _one_of("0", "1"), "0 or 1", "transformer_engine",
+           "recorded: which TE attention backends may be chosen is part of the scope"),
+    EnvVar("NVTE_UNFUSED_ATTN", None, _one_of("0", "1"), "0 or 1", "transformer_engine",
+           "recorded: which TE attention backends may be chosen is part of the scope"),
+    EnvVar("OMP_NUM_THREADS", None, _positive_int, "a positive integer", "openmp",
+           "recorded: CPU reductions split work by thread count, so it changes the bits"),
+    EnvVar("MKL_NUM_THREADS", None, _positive_int, "a positive integer", "openmp",
+           "recorded: as OMP_NUM_THREADS for MKL kernels"),
+    EnvVar("CUDA_DEVICE_MAX_CONNECTIONS", None, _positive_int, "a positive integer", "cuda",
+           "recorded: changes kernel/communication overlap scheduling in megatron"),
+)
+ENV_BY_NAME = {v.name: v for v in ENV_TABLE}
+
+
+@dataclass(frozen=True)
+class EnvSetting:
+    value: Optional[str]
+    source: str  # launcher | recipe | default | unset
+
+
+def resolve_env(recipe, environ: Mapping[str, str]):
+    """(settings by name, list of (name, message, fix)) for the recipe under the launcher's environ."""
+    wanted = dict(recipe.determinism.env)
+    unknown = [k for k in wanted if k not in ENV_BY_NAME]
+    if unknown:
+        known = ", ".join(ENV_BY_NAME)
+        raise BitdetInputError("\n".join(
+            f"{recipe.where('determinism', 'env', k)}: determinism.env.{k}: not a determinism variable; "
+            f"known: {known}" for k in unknown))
+    settings, problems = {}, []
+    for var in ENV_TABLE:
+        launcher, mine = environ.get(var.name), wanted.get(var.name)
+        if launcher is not None and mine is not None and launcher != mine:
+            problems.append((var.name, f"the launcher sets {var.name}={launcher!r} but "
+                             f"{recipe.where('determinism', 'env', var.name)} sets {mine!r}",
+                             "make them agree: a launcher value is never overwritten"))
+        if launcher is not None:
+            settings[var.name] = EnvSetting(launcher, "launcher")
+        elif mine is not None:
+            settings[var.name] = EnvSetting(mine, "recipe")
+        elif var.default is not None:
+            settings[var.name] = EnvSetting(var.default, "default")
+        else:
+            settings[var.name] = EnvSetting(None, "unset")
+        value = settings[var.name].value
+        if value is not None and not var.valid(value):
+            where = "the launcher" if launcher is not None else recipe.where("determinism", "env", var.name)
+            problems.append((var.name, f"{var.name}={value!r} (from {where}) is refused; accepted: {var.accepted}",
+                             f"set {var.name} to {var.accepted} (or unset it to get {var.default!r})"
+                             if var.default is not None else f"set {var.name} to {var.accepted} or unset it"))
+    return settings, problems
+
+
+def effective_env(settings) -> dict:
+    return {name: s.value for name, s in settings.items() if s.value is not None}

@@ -1,0 +1,67 @@
+"""Late-application detection: a variable set after its reader already initialized has no effect.
+
+Only variables whose value enforcement actually changes count (a launcher's value was in place before
+anything read it). Each reader says how to tell it already ran and whether that is fatal.
+"""
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+from typing import Callable
+
+from megatron_bitdet.enforce.env import ENV_BY_NAME
+from megatron_bitdet.enforce.facts import Facts
+
+
+@dataclass(frozen=True)
+class Reader:
+    key: str
+    ran: Callable[[Facts], bool]
+    fatal: Callable[[Facts], bool]
+    what: str
+    move: str
+
+
+READERS = {r.key: r for r in (
+    Reader("nccl", lambda f: f.dist_backend is not None, lambda f: "nccl" in (f.dist_backend or ""),
+           "a torch.distributed process group already exists", "call enable() before init_process_group "
+           "(NCCL communicators pick their algorithm when created)"),
+    Reader("cublas", lambda f: f.cuda_initialized, lambda f: True,
+           "CUDA is already initialized, so cuBLAS handles may exist with the default workspace",
+           "call enable() before the first CUDA call, or export the variable in the launcher"),
+    Reader("transformer_engine", lambda f: "transformer_engine" in f.imported, lambda f: f.cuda_initialized,
+           "transformer_engine is already imported", "call enable() before importing transformer_engine / "
+           "megatron.core.extensions (TE reads NVTE_* when it selects attention backends)"),
+    Reader("mamba_ssm", lambda f: "mamba_ssm" in f.imported, lambda f: True,
+           "mamba_ssm is already imported", "call enable() before importing mamba_ssm or megatron.core.ssm"),
+    Reader("causal_conv1d", lambda f: "causal_conv1d" in f.imported, lambda f: True,
+           "causal_conv1d is already imported", "call enable() before importing causal_conv1d or megatron.core.ssm"),
+    Reader("inductor", lambda f: "torch._inductor.config" in f.imported, lambda f: True,
+           "torch._inductor.config is already imported (it reads TORCHINDUCTOR_* at import)",
+           "call enable() before torch.compile / importing torch._inductor"),
+    Reader("python", lambda f: sys.flags.hash_randomization == 1, lambda f: False,
+           "this interpreter started without PYTHONHASHSEED (its own str hashes stay randomized; "
+           "only child processes get the new value)", "export PYTHONHASHSEED=0 in the launcher"),
+)}
+
+
+def late_application(settings, environ, facts: Facts):
+    """(refusals as (variables, message, fix), warnings): readers that already ran while we change their
+    variables; a gloo group is reported as a harmless warning."""
+    changed = {}
+    for name, setting in settings.items():
+        if setting.value is not None and environ.get(name) != setting.value:
+            changed.setdefault(ENV_BY_NAME[name].read_by, []).append(name)
+    refusals, warnings = [], []
+    if facts.dist_backend is not None and not READERS["nccl"].fatal(facts):
+        warnings.append(f"a {facts.dist_backend} process group already exists: harmless ({facts.dist_backend} "
+                        "reads none of the determinism variables), but create NCCL groups only after enable()")
+    for key, names in changed.items():
+        reader = READERS.get(key)
+        if reader is None or not reader.ran(facts):
+            continue
+        if reader.fatal(facts):
+            refusals.append((names, f"{reader.what} but enforcement sets {', '.join(names)}", reader.move))
+        elif key != "nccl":
+            warnings.append(f"{reader.what}; enforcement sets {', '.join(names)}: {reader.move}")
+    return refusals, warnings

@@ -1,0 +1,115 @@
+"""Run manifest: the resolved recipe, what enforcement applied, and the flat validation ``scope``
+(everything that must be equal for a bitwise comparison to be meaningful)."""
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import sys
+
+from megatron_bitdet.enforce.env import ENV_TABLE
+from megatron_bitdet.enforce.facts import package_versions
+from megatron_bitdet.errors import BitdetInputError
+
+MANIFEST_KEYS = ("bitdet_version", "created", "recipe", "recipe_digest", "scope", "env", "rules", "patches", "argv")
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as fh:
+            for line in fh:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def _device_scope() -> dict:
+    import torch
+
+    scope = {"cuda": torch.version.cuda, "device_type": "cpu", "device_count": 0, "device_names": []}
+    if torch.cuda.is_available():
+        count = torch.cuda.device_count()
+        scope.update(device_type="cuda", device_count=count,
+                     device_names=[torch.cuda.get_device_name(i) for i in range(count)],
+                     cudnn=torch.backends.cudnn.version(), nccl=".".join(map(str, torch.cuda.nccl.version())))
+    return scope
+
+
+def build_scope(recipe, *, world_size: int, threads: int) -> dict:
+    """The flat validation scope for this process, recipe and world size."""
+    p = recipe.parallel
+    model_parallel = p.tensor * p.pipeline * p.context
+    scope = {"python": platform.python_version(), "cpu_model": _cpu_model(), "torch_threads": threads}
+    scope.update({f"version/{k}": v for k, v in package_versions().items()})
+    scope.update(_device_scope())
+    scope.update({f"env/{v.name}": os.environ.get(v.name) for v in ENV_TABLE})
+    scope.update({
+        "world_size": world_size, "tp": p.tensor, "pp": p.pipeline, "cp": p.context,
+        "dp": world_size // model_parallel if world_size % model_parallel == 0 else None,
+        "ep": p.expert, "etp": p.expert_tensor, "sp": p.sequence_parallel,
+        "deterministic_mode": recipe.determinism.mode, "recipe_digest": recipe.digest(),
+        "seed": recipe.training.seed,
+    })
+    return scope
+
+
+def build_manifest(recipe, enforcement, *, world_size: int, argv=None, extra=None) -> dict:
+    """The manifest dict (DESIGN.md keys); ``extra`` (e.g. {'patches': [...]}) is merged on top."""
+    from megatron_bitdet import __version__
+
+    manifest = {
+        "bitdet_version": __version__,
+        "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "recipe": recipe.to_dict(),
+        "recipe_digest": recipe.digest(),
+        "scope": build_scope(recipe, world_size=world_size, threads=enforcement.threads),
+        "env": {name: {"value": s.value, "source": s.source} for name, s in enforcement.env.items()},
+        "rules": enforcement.rules.as_manifest(),
+        "patches": [],
+        "warnings": list(enforcement.warnings),
+        "argv": list(sys.argv if argv is None else argv),
+    }
+    manifest.update(extra or {})
+    return manifest
+
+
+def write_manifest(run_dir, manifest: dict) -> str:
+    """Atomically write RUN_DIR/manifest.json (tmp file + os.replace); returns its path."""
+    os.makedirs(run_dir, exist_ok=True)
+    path = os.path.join(run_dir, "manifest.json")
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as fh:
+        json.dump(manifest, fh, indent=2, sort_keys=True)
+        fh.write("\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def load_manifest(path) -> dict:
+    """Read a manifest (a file, or a run dir holding manifest.json); BitdetInputError when unusable."""
+    if os.path.isdir(path):
+        path = os.path.join(path, "manifest.json")
+    try:
+        with open(path, encoding="utf-8") as fh:
+            manifest = json.load(fh)
+    except FileNotFoundError:
+        raise BitdetInputError(f"{path}: no manifest (was the run started with bitdet?)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BitdetInputError(f"{path}: malformed manifest: {exc}") from None
+    missing = [k for k in MANIFEST_KEYS if not isinstance(manifest, dict) or k not in manifest]
+    if missing:
+        raise BitdetInputError(f"{path}: malformed manifest: missing {', '.join(missing)}")
+    if not isinstance(manifest["scope"], dict):
+        raise BitdetInputError(f"{path}: malformed manifest: scope is not a mapping")
+    return manifest
+
+
+def scope_diff(scope_a: dict, scope_b: dict) -> list:
+    """[(key, a, b)] for every scope key whose values differ (a key missing on one side shows as None)."""
+    return [(k, scope_a.get(k), scope_b.get(k)) for k in sorted(set(scope_a) | set(scope_b))
+            if scope_a.get(k) != scope_b.get(k)]
