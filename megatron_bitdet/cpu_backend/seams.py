@@ -1,0 +1,275 @@
+"""The seams between megatron-core 0.16.1 and a CPU-only torch, one function per seam.
+
+Each seam says what breaks without it. They are installed once per process, before the model is
+built; nothing here runs per step except the no-op stand-ins megatron calls (synchronize, events).
+"""
+from __future__ import annotations
+
+import contextlib
+import importlib
+import importlib.util
+import inspect
+import sys
+import textwrap
+import types
+import time
+from importlib.metadata import version
+
+import torch
+
+from megatron_bitdet.errors import BitdetError
+
+SUPPORTED_MEGATRON_CORE = ("0.16.1",)
+_INSTALLED: list[str] = []
+
+
+def installed() -> list[str]:
+    """Names of the seams filled in this process (empty on a GPU)."""
+    return list(_INSTALLED)
+
+
+def install(*, force: bool = False) -> list[str]:
+    """Fill every seam if CUDA is unavailable; idempotent. Returns the seams filled."""
+    if _INSTALLED or (torch.cuda.is_available() and not force):
+        return installed()
+    mcore = version("megatron-core")
+    if mcore not in SUPPORTED_MEGATRON_CORE:
+        raise BitdetError(
+            f"the CPU backend was written and tested for megatron-core {', '.join(SUPPORTED_MEGATRON_CORE)}, "
+            f"found {mcore}: its seams may have moved. Install megatron-core=={SUPPORTED_MEGATRON_CORE[-1]} "
+            "or run on a GPU (where the CPU backend is not used)."
+        )
+    for seam in SEAMS:
+        seam()
+        _INSTALLED.append(seam.__name__)
+    return installed()
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+_CUDA_LITERALS = [
+    ("device='cuda'", "device='cpu'"),
+    ('device="cuda"', 'device="cpu"'),
+    ("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
+]
+
+
+def _rebind(old, new) -> None:
+    """Point every already-imported megatron module that did ``from x import old`` at ``new``."""
+    for name, module in list(sys.modules.items()):
+        if name.startswith("megatron.core") and module is not None:
+            for attr, value in list(vars(module).items()):
+                if value is old:
+                    setattr(module, attr, new)
+
+
+def _cuda_literals_to_cpu(target: str) -> None:
+    """Recompile ``module:Qual.name`` with its hard-coded CUDA device literals pointed at the CPU.
+
+    The source must still contain at least one literal, so a megatron-core change under the seam
+    fails loudly here instead of running a half-patched function.
+    """
+    module_name, _, qualname = target.partition(":")
+    module = importlib.import_module(module_name)
+    *owner_path, attr = qualname.split(".")
+    owner = module
+    for part in owner_path:
+        owner = getattr(owner, part)
+    raw = inspect.getattr_static(owner, attr)
+    fn = inspect.unwrap(raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw)
+    src = textwrap.dedent(inspect.getsource(fn))
+    hits = 0
+    for old, new in _CUDA_LITERALS:
+        hits += src.count(old)
+        src = src.replace(old, new)
+    if not hits:
+        raise BitdetError(f"CPU backend: {target} has no CUDA literal any more; megatron-core changed under the seam")
+    # Compile inside a factory that defines __class__, so zero-argument super() keeps working.
+    factory = "def __bitdet_factory__(__class__):\n" + textwrap.indent(src, "    ") + f"\n    return {fn.__name__}\n"
+    namespace: dict = {}
+    exec(compile(factory, f"<bitdet cpu seam {target}>", "exec"), module.__dict__, namespace)
+    new = namespace["__bitdet_factory__"](owner if inspect.isclass(owner) else None)
+    if isinstance(new, (staticmethod, classmethod)):
+        setattr(owner, attr, new)
+        return
+    new.__wrapped__ = fn
+    setattr(owner, attr, new)
+    if not inspect.isclass(owner):
+        _rebind(raw, new)
+
+
+class _NullEvent:
+    """Stand-in for torch.cuda.Event: records wall-clock time so elapsed_time still means something."""
+
+    def __init__(self, enable_timing: bool = False, **_):
+        self.t = None
+
+    def record(self, stream=None):
+        self.t = time.perf_counter()
+
+    def wait(self, stream=None):
+        pass
+
+    def synchronize(self):
+        pass
+
+    def query(self):
+        return True
+
+    def elapsed_time(self, end):
+        return (end.t - self.t) * 1000.0
+
+
+class _NullStream:
+    """Stand-in for torch.cuda.Stream: CPU work is already ordered."""
+
+    def __init__(self, *_, **__):
+        pass
+
+    def wait_stream(self, other):
+        pass
+
+    def wait_event(self, event):
+        pass
+
+    def record_event(self, event=None):
+        event = event or _NullEvent()
+        event.record()
+        return event
+
+    def synchronize(self):
+        pass
+
+
+_NULL_STREAM = _NullStream()
+
+# --------------------------------------------------------------------------- seams
+
+
+def torch_cuda_runtime():
+    """Device/stream/event/memory queries (rotary embeddings, global memory buffer, schedules,
+    optimizer, timers) initialize CUDA and raise; on CPU they mean: the CPU device, no-op ordering,
+    and zero device memory (host peak memory is measured by bitdet itself)."""
+    cuda = torch.cuda
+    cuda.current_device = lambda: torch.device("cpu")
+    cuda.synchronize = lambda device=None: None
+    cuda.current_stream = lambda device=None: _NULL_STREAM
+    cuda.default_stream = lambda device=None: _NULL_STREAM
+    cuda.Stream = _NullStream
+    cuda.Event = _NullEvent
+    cuda.stream = lambda stream=None: contextlib.nullcontext()
+    for stat in ("memory_allocated", "max_memory_allocated", "memory_reserved", "max_memory_reserved"):
+        setattr(cuda, stat, lambda device=None: 0)
+    cuda.reset_peak_memory_stats = lambda device=None: None
+    cuda.empty_cache = lambda: None
+    cuda.memory_stats = lambda device=None: {}
+
+
+def rng_tracker():
+    """megatron's tensor-parallel RNG tracker stores and forks *CUDA* generator states; on CPU the
+    device generator is the CPU generator, so the tracker forks that one (same semantics: named
+    streams for TP / EP / DP regions, restored on exit)."""
+    from megatron.core.tensor_parallel import random as mrandom
+
+    def get_state(device="cuda", clone=False, graph_safe=False):
+        return torch.get_rng_state()
+
+    def set_state(new_state, device=-1, graph_safe=False):
+        torch.set_rng_state(new_state)
+
+    class CpuRNGStatesTracker(mrandom.CudaRNGStatesTracker):
+        def add(self, name, seed):
+            self._is_initialized = True
+            if seed in self.seeds_:
+                raise Exception(f"seed {seed} already exists")
+            if name in self.states_:
+                raise Exception(f"rng state {name} already exists")
+            self.seeds_.add(seed)
+            self.states_[name] = torch.Generator().manual_seed(seed).get_state()
+
+        @contextlib.contextmanager
+        def fork(self, name=mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME):
+            if name not in self.states_:
+                raise Exception(f"rng state {name} is not added")
+            orig_state, orig_name = torch.get_rng_state(), self._current_state_name
+            if orig_name != "default-rng":
+                self.states_[orig_name] = orig_state
+            torch.set_rng_state(self.states_[name])
+            self._current_state_name = name
+            try:
+                yield
+            finally:
+                self.states_[name] = torch.get_rng_state()
+                if orig_name != "default-rng":
+                    orig_state = self.states_[orig_name]
+                torch.set_rng_state(orig_state)
+                self._current_state_name = orig_name
+
+    mrandom._get_cuda_rng_state = get_state
+    mrandom._set_cuda_rng_state = set_state
+    mrandom.CudaRNGStatesTracker = CpuRNGStatesTracker
+    mrandom.initialize_rng_tracker(force_reset=True)
+
+
+def triton_inference_ops():
+    """``ssm.mamba_mixer`` imports megatron's Triton tensor ops for dynamic inference at module
+    import time, and Triton does not import without a driver. Training never calls them; the
+    stand-in module raises if inference tries."""
+    name = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
+    if name in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+
+    def unavailable(*_, **__):
+        raise NotImplementedError("megatron dynamic inference needs Triton, which is unavailable on this machine")
+
+    stub = types.ModuleType(name)
+    stub.__doc__ = "bitdet CPU stand-in: Triton is unavailable"
+    for fn in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge"):
+        setattr(stub, fn, unavailable)
+    sys.modules[name] = stub
+
+
+def cuda_device_literals():
+    """``device='cuda'`` is hard-coded in the optimizers' scalar buffers, gradient clipping and
+    norms, the schedules' token counters, MoE metric tracking, default attention masks and the rerun
+    state machine; ``clip_grads`` and the distributed optimizer accept only 'torch.cuda.FloatTensor'."""
+    for target in (
+        "megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.__init__",
+        "megatron.core.optimizer.optimizer:FP32Optimizer.__init__",
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
+        "megatron.core.optimizer.clip_grads:get_grad_norm_fp32",
+        "megatron.core.optimizer.clip_grads:clip_grad_by_total_norm_fp32",
+        "megatron.core.optimizer.clip_grads:count_zeros_fp32",
+        "megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
+        "megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
+        "megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
+        "megatron.core.transformer.moe.moe_utils:track_moe_metrics",
+        "megatron.core.transformer.utils:get_default_causal_mask",
+        "megatron.core.transformer.utils:get_sliding_window_causal_mask",
+        "megatron.core.utils:local_multi_tensor_l2_norm",
+        "megatron.core.rerun_state_machine:RerunStateMachine._reduce_any",
+    ):
+        _cuda_literals_to_cpu(target)
+
+
+def moe_cpu_splits():
+    """The alltoall dispatcher turns split sizes into host values only for CUDA tensors; on CPU
+    they stay tensors and ``all_to_all_single`` rejects them. Host values are taken as numpy copies,
+    as the GPU path does. Also ``moe_utils`` names ``te_general_gemm`` even when TE failed to import."""
+    from megatron.core.transformer.moe import moe_utils
+
+    original = moe_utils.maybe_move_tensor_to_cpu
+
+    def maybe_move_tensor_to_cpu(tensor, as_numpy=False, record_stream=False):
+        if as_numpy and torch.is_tensor(tensor):
+            return tensor.detach().cpu().numpy().copy()
+        return tensor
+
+    moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
+    _rebind(original, maybe_move_tensor_to_cpu)
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None
+
+
+SEAMS = [torch_cuda_runtime, rng_tracker, triton_inference_ops, cuda_device_literals, moe_cpu_splits]

@@ -1,0 +1,109 @@
+"""Layer specs for the hybrid Nemotron stack: what is built is data (megatron ModuleSpec).
+
+``local``: pure torch, runs anywhere (CPU included); Mamba kernels are bitdet's deterministic
+pure-torch implementations (swapped in by the patches). ``te``: Transformer Engine's fused layers
+(megatron's own ``mamba_stack_spec``), used when TE imports.
+"""
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.models.backends import LocalSpecProvider
+from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
+from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
+from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
+from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
+from megatron.core.ssm.mlp_layer import MLPLayer
+from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import (
+    MoETransformerLayer,
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
+
+from megatron_bitdet.model.norm import LocalNorm
+
+
+def te_available() -> bool:
+    try:
+        import transformer_engine  # noqa: F401
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception:  # TE raises OSError/RuntimeError, not only ImportError, without CUDA
+        return False
+    return True
+
+
+def _moe_spec(num_experts: int, expert_impl: str) -> ModuleSpec:
+    spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts)
+    if expert_impl == "grouped":
+        from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP
+
+        spec.submodules.experts = ModuleSpec(module=GroupedProbMLP, submodules=spec.submodules.experts.submodules)
+    return spec
+
+
+def local_stack_spec(*, num_experts: int = 0, expert_impl: str = "sequential") -> ModuleSpec:
+    """The pure-torch hybrid stack: Mamba-2, attention, MLP and MoE layers."""
+    moe_layer = None
+    if num_experts:
+        moe_layer = ModuleSpec(
+            module=MoETransformerLayer,
+            submodules=TransformerLayerSubmodules(
+                pre_mlp_layernorm=LocalNorm, mlp=_moe_spec(num_experts, expert_impl), mlp_bda=get_bias_dropout_add
+            ),
+        )
+    return ModuleSpec(
+        module=MambaStack,
+        submodules=MambaStackSubmodules(
+            mamba_layer=ModuleSpec(
+                module=MambaLayer,
+                submodules=MambaLayerSubmodules(
+                    norm=LocalNorm,
+                    mixer=ModuleSpec(
+                        module=MambaMixer,
+                        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+                    ),
+                    mamba_bda=get_bias_dropout_add,
+                ),
+            ),
+            attention_layer=ModuleSpec(
+                module=TransformerLayer,
+                submodules=TransformerLayerSubmodules(
+                    input_layernorm=LocalNorm,
+                    self_attention=ModuleSpec(
+                        module=SelfAttention,
+                        params={"attn_mask_type": AttnMaskType.causal},
+                        submodules=SelfAttentionSubmodules(
+                            linear_qkv=ColumnParallelLinear,
+                            core_attention=DotProductAttention,
+                            linear_proj=RowParallelLinear,
+                        ),
+                    ),
+                    self_attn_bda=get_bias_dropout_add,
+                ),
+            ),
+            mlp_layer=ModuleSpec(
+                module=MLPLayer,
+                submodules=TransformerLayerSubmodules(
+                    pre_mlp_layernorm=LocalNorm,
+                    mlp=ModuleSpec(
+                        module=MLP,
+                        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                    ),
+                    mlp_bda=get_bias_dropout_add,
+                ),
+            ),
+            **({"moe_layer": moe_layer} if moe_layer else {}),
+        ),
+    )
+
+
+def te_stack_spec(*, num_experts: int = 0, expert_impl: str = "sequential") -> ModuleSpec:
+    """megatron-core's TE hybrid spec (fused norm+linear, TE attention, TE grouped GEMM experts)."""
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+
+    return mamba_stack_spec
