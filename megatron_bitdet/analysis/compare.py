@@ -1,0 +1,247 @@
+"""Step-by-step, rank-by-rank, bit-exact comparison of two runs' fingerprints.
+
+The first differing step localizes a problem; everything after it is summarized, because a
+divergence propagates. Two runs are only comparable inside one validation scope, so the
+manifests' scopes are diffed first and a mismatch is refused unless forced.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+from megatron_bitdet.analysis.fingerprints_io import DIGEST_PREFIX, RunData, load_run
+from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.fingerprint.floatbits import decode_float, first_differing_bit, ulp_distance
+
+EXIT_CODES = {"match": 0, "diverged": 1, "unusable": 2}
+
+
+class ScopeMismatchError(BitdetInputError):
+    """The two runs were made in different validation scopes: a bitwise comparison means nothing."""
+
+    def __init__(self, mismatches: list[dict]):
+        self.mismatches = mismatches
+        rows = "\n".join(f"  {m['key']}: A={m['a']!r}  B={m['b']!r}" for m in mismatches)
+        super().__init__(
+            f"the runs' validation scopes differ ({len(mismatches)} key(s)); a bitwise comparison "
+            f"across scopes is meaningless. Pass --force to compare anyway.\n{rows}"
+        )
+
+
+@dataclass
+class MetricDiff:
+    """One differing value at one rank: both encodings, both values, and how far apart in bits."""
+
+    rank: int
+    name: str
+    a: str | None
+    b: str | None
+    a_value: float | None = None
+    b_value: float | None = None
+    ulp: int | None = None
+    first_bit: int | None = None  # from the most significant bit, 0 = sign
+    note: str = ""
+
+
+@dataclass
+class Divergence:
+    step: int
+    metrics: list[str]
+    ranks: list[int]
+    details: list[MetricDiff]
+
+
+@dataclass
+class StepSummary:
+    """Per step: max ULP distance across ranks per numeric metric (None: not comparable) and what differs."""
+
+    step: int
+    max_ulp: dict[str, int | None]
+    differing: list[str]
+
+
+@dataclass
+class CompareResult:
+    verdict: str  # "match" | "diverged" | "unusable"
+    run_a: str
+    run_b: str
+    format: str = ""
+    first_divergence: Divergence | None = None
+    per_step: list[StepSummary] = field(default_factory=list)
+    scope_mismatches: list[dict] = field(default_factory=list)
+    steps_compared: int = 0
+    ranks_compared: list[int] = field(default_factory=list)
+    metrics_compared: list[str] = field(default_factory=list)
+    digests_compared: list[str] = field(default_factory=list)
+    steps_only_in_a: list[int] = field(default_factory=list)
+    steps_only_in_b: list[int] = field(default_factory=list)
+    diverged_steps: list[int] = field(default_factory=list)
+    forced: bool = False
+    warnings: list[str] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        return EXIT_CODES[self.verdict]
+
+    @property
+    def lengths_differ(self) -> bool:
+        return bool(self.steps_only_in_a or self.steps_only_in_b)
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def unusable(cls, run_a, run_b, error: BitdetInputError) -> CompareResult:
+        """The result the CLI prints for input that could not be compared."""
+        return cls(verdict="unusable", run_a=str(run_a), run_b=str(run_b), error=str(error),
+                   scope_mismatches=getattr(error, "mismatches", []))
+
+
+def compare_runs(run_a, run_b, *, force: bool = False, metrics=None, ranks=None,
+                 fmt: str = "auto", allow_truncated: bool = False) -> CompareResult:
+    """Compare two runs (run dirs or TensorBoard dirs); BitdetInputError if they can't be compared."""
+    a = load_run(run_a, fmt, allow_truncated=allow_truncated)
+    b = load_run(run_b, fmt, allow_truncated=allow_truncated)
+    if a.format != b.format:
+        raise BitdetInputError(f"cannot compare a {a.format} run ({a.path}) with a {b.format} run ({b.path})")
+    result = CompareResult(verdict="match", run_a=str(a.path), run_b=str(b.path), format=a.format,
+                           forced=force, warnings=a.warnings + b.warnings)
+    result.scope_mismatches = _check_scope(a, b, force, result.warnings)
+    result.ranks_compared = _select_ranks(a, b, ranks)
+    names = _select_names(a, b, result.ranks_compared, metrics)
+    result.metrics_compared = [n for n in names if not n.startswith(DIGEST_PREFIX)]
+    result.digests_compared = [n.removeprefix(DIGEST_PREFIX) for n in names if n.startswith(DIGEST_PREFIX)]
+    _compare_steps(a, b, names, result)
+    return result
+
+
+def _check_scope(a: RunData, b: RunData, force: bool, warnings: list[str]) -> list[dict]:
+    if a.format == "tensorboard":
+        warnings.append("TensorBoard logs carry no manifest: the validation scope was not checked")
+        return []
+    if a.manifest is None or b.manifest is None:
+        state = {True: "missing", False: "present"}
+        mismatches = [{"key": "manifest.json", "a": state[a.manifest is None], "b": state[b.manifest is None]}]
+    else:
+        mismatches = scope_diff(a.manifest["scope"], b.manifest["scope"])
+    if mismatches and not force:
+        raise ScopeMismatchError(mismatches)
+    if mismatches:
+        warnings.append(f"validation scopes differ in {len(mismatches)} key(s); compared anyway (--force)")
+    return mismatches
+
+
+def scope_diff(a: dict, b: dict) -> list[dict]:
+    """Keys whose values differ between two flat scopes (a key absent on one side differs)."""
+    try:
+        from megatron_bitdet.enforce.manifest import scope_diff as upstream
+    except ImportError:
+        absent = "<absent>"
+        return [{"key": k, "a": a.get(k, absent), "b": b.get(k, absent)}
+                for k in sorted(set(a) | set(b)) if a.get(k, absent) != b.get(k, absent)]
+    return [m if isinstance(m, dict) else dict(zip(("key", "a", "b"), m)) for m in upstream(a, b)]
+
+
+def _select_ranks(a: RunData, b: RunData, wanted) -> list[int]:
+    ranks = sorted(set(wanted)) if wanted is not None else sorted(set(a.ranks) | set(b.ranks))
+    for rank in ranks:
+        for run, other in ((a, b), (b, a)):
+            if rank not in run.ranks:
+                have = "" if rank not in other.ranks else f" (present: {other.files[rank]})"
+                raise BitdetInputError(
+                    f"{run.path}: fingerprint file for rank {rank} is missing "
+                    f"(fingerprints/rank_{rank:05d}.jsonl){have}"
+                )
+    return ranks
+
+
+def _select_names(a: RunData, b: RunData, ranks: list[int], wanted) -> list[str]:
+    present = {n for run in (a, b) for r in ranks for rec in run.ranks[r] for n in rec.values()}
+    if wanted is None:
+        return sorted(present - a.hidden - b.hidden, key=lambda n: (n.startswith(DIGEST_PREFIX), n))
+    unknown = [n for n in wanted if n not in present]
+    if unknown:
+        raise BitdetInputError(f"no metric named {', '.join(map(repr, unknown))} in either run; "
+                               f"available: {', '.join(sorted(present))}")
+    return list(dict.fromkeys(wanted))
+
+
+def _compare_steps(a: RunData, b: RunData, names: list[str], result: CompareResult) -> None:
+    steps: dict[int, StepSummary] = {}
+    only_a, only_b = set(), set()
+    first: dict[int, list[MetricDiff]] = {}
+    for rank in result.ranks_compared:
+        recs_a, recs_b = (_records_with(run.ranks[rank], names) for run in (a, b))
+        only_a |= recs_a.keys() - recs_b.keys()
+        only_b |= recs_b.keys() - recs_a.keys()
+        for step in sorted(recs_a.keys() & recs_b.keys()):
+            summary = steps.setdefault(step, StepSummary(step, {}, []))
+            va, vb = recs_a[step].values(), recs_b[step].values()
+            for name in names:
+                diff = _diff(rank, name, va.get(name), vb.get(name))
+                _accumulate(summary, name, diff)
+                if diff is not None:
+                    first.setdefault(step, []).append(diff)
+    result.per_step = [steps[s] for s in sorted(steps)]
+    result.steps_compared = len(steps)
+    result.steps_only_in_a, result.steps_only_in_b = sorted(only_a), sorted(only_b)
+    result.diverged_steps = sorted(first)
+    if first:
+        step = result.diverged_steps[0]
+        details = first[step]
+        result.verdict = "diverged"
+        result.first_divergence = Divergence(
+            step=step, metrics=list(dict.fromkeys(d.name for d in details)),
+            ranks=sorted({d.rank for d in details}), details=details,
+        )
+
+
+def _records_with(records, names: list[str]) -> dict:
+    """Steps that carry at least one compared name (TensorBoard tags are logged at their own steps)."""
+    wanted = set(names)
+    return {r.step: r for r in records if wanted & r.values().keys()}
+
+
+def _accumulate(summary: StepSummary, name: str, diff: MetricDiff | None) -> None:
+    if diff is not None and name not in summary.differing:
+        summary.differing.append(name)
+    if name.startswith(DIGEST_PREFIX):
+        return
+    ulp = 0 if diff is None else diff.ulp
+    if name in summary.max_ulp and summary.max_ulp[name] is None:
+        return  # already not comparable at another rank
+    summary.max_ulp[name] = None if ulp is None else max(ulp, summary.max_ulp.get(name) or 0)
+
+
+def _diff(rank: int, name: str, a: str | None, b: str | None) -> MetricDiff | None:
+    """None when bit-identical (or absent on both sides), else what differs and by how much."""
+    if a == b:
+        return None
+    d = MetricDiff(rank=rank, name=name, a=a, b=b)
+    if a is None or b is None:
+        d.note = f"present only in {'A' if b is None else 'B'}"
+    elif name.startswith(DIGEST_PREFIX):
+        d.note = "digest differs"
+    else:
+        d.a_value, d.b_value = decode_float(a), decode_float(b)
+        d.ulp = ulp_distance(a, b)
+        if d.ulp is None:
+            d.note = f"dtype differs: {a.partition(':')[0]} vs {b.partition(':')[0]}"
+        else:
+            d.first_bit = first_differing_bit(a, b)
+    return d
+
+
+def parse_ranks(text: str) -> list[int]:
+    """'0,2,4-7' -> [0, 2, 4, 5, 6, 7]; BitdetInputError on anything else."""
+    ranks: list[int] = []
+    try:
+        for part in filter(None, (p.strip() for p in text.split(","))):
+            lo, _, hi = part.partition("-")
+            ranks.extend(range(int(lo), int(hi or lo) + 1))
+    except ValueError:
+        raise BitdetInputError(f"--ranks: expected e.g. '0,2,4-7', got {text!r}") from None
+    if not ranks:
+        raise BitdetInputError(f"--ranks: no ranks in {text!r}")
+    return ranks
+
