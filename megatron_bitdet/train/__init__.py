@@ -1,0 +1,1 @@
+"""Training: launch (spawn / torchrun), data (megatron.core.datasets), loop, checkpoints."""

@@ -1,0 +1,221 @@
+"""Start N ranks of a worker on this machine (or join torchrun's), with clean failure propagation.
+
+``launch("pkg.module:function", nproc, args)`` spawns ``nproc`` fresh interpreters
+(``python -m megatron_bitdet.train.launch``), each with MASTER_ADDR/MASTER_PORT, RANK, WORLD_SIZE,
+LOCAL_RANK and LOCAL_WORLD_SIZE set; the child initializes the default process group ("nccl" when
+CUDA is available, else "gloo"; one code path) and calls ``function(rank, world_size, **args)``
+(or ``*args`` for a list). Its return value, if an int, is the rank's exit code.
+
+Fresh interpreters (not fork) because the determinism environment must be in place before torch,
+cuBLAS or NCCL are first imported/initialized: the children get the parent's environment plus
+``env``, from their first instruction. The child entry lives behind a ``__main__`` guard in an
+importable module, so multiprocessing helpers that re-import it (dist_checkpointing's async save)
+do not re-run it.
+
+When one rank fails (exception, nonzero exit, killed by a signal) the others are terminated at once
+(whole process groups, so their helper processes go too) and ``launch`` returns nonzero after saying
+which rank failed and showing the last lines of its stderr. Rank 0 streams to the console; with
+``run_dir`` every rank's stdout+stderr also goes to ``RUN_DIR/logs/rank_XXXXX.log``.
+
+Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK already set) nothing is spawned: the worker runs in
+this process for this rank (``env`` is applied to ``os.environ`` first, which only reaches libraries
+not yet initialized; export determinism variables before torchrun for full effect), and torchrun's
+own ``--log-dir``/``--tee`` handle logs.
+"""
+from __future__ import annotations
+
+import collections
+import importlib
+import json
+import os
+import queue
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+from megatron_bitdet.errors import BitdetError, BitdetInputError
+
+TAIL_LINES = 20
+TERMINATE_GRACE_S = 5.0
+_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
+def under_torchrun(environ=None) -> bool:
+    """True when an outer launcher (torchrun, SLURM wrappers) already made this process a rank."""
+    environ = os.environ if environ is None else environ
+    return all(k in environ for k in _TORCHRUN_VARS)
+
+
+def resolve_worker(path: str):
+    """``"pkg.module:function"`` -> the callable; a clear BitdetInputError otherwise."""
+    module, _, name = path.partition(":")
+    if not module or not name:
+        raise BitdetInputError(f"worker {path!r} must look like 'package.module:function'")
+    try:
+        fn = getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as exc:
+        raise BitdetInputError(f"cannot load worker {path!r}: {exc}") from exc
+    if not callable(fn):
+        raise BitdetInputError(f"worker {path!r} is not callable")
+    return fn
+
+
+def run_rank(worker_path: str, args, backend: str | None = None) -> int:
+    """This process's rank: init the default process group, run the worker, tear the group down."""
+    fn = resolve_worker(worker_path)
+    import torch
+    import torch.distributed as dist
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    dist.init_process_group(backend, rank=rank, world_size=world)
+    result = fn(rank, world, **args) if isinstance(args, dict) else fn(rank, world, *args)
+    # Teardown only on success: destroying the group while raising would make the peers fail
+    # first and hide which rank was the culprit (the launcher names the first rank to exit).
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    return result if isinstance(result, int) else 0
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _Rank:
+    """One child process plus the threads that copy its output to the log, console and stderr tail."""
+
+    def __init__(self, rank: int, cmd: list[str], env: dict, log_path: Path | None) -> None:
+        self.rank = rank
+        self.tail = collections.deque(maxlen=TAIL_LINES)
+        self.log = open(log_path, "wb") if log_path else None
+        self._log_lock = threading.Lock()
+        self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                     stdin=subprocess.DEVNULL, start_new_session=True)
+        self.pumps = [threading.Thread(target=self._pump, args=(s, c, t), daemon=True) for s, c, t in (
+            (self.proc.stdout, sys.stdout if rank == 0 else None, False),
+            (self.proc.stderr, sys.stderr if rank == 0 else None, True))]
+        for t in self.pumps:
+            t.start()
+
+    def _pump(self, stream, console, keep_tail: bool) -> None:
+        for line in iter(stream.readline, b""):
+            if self.log:
+                with self._log_lock:
+                    self.log.write(line)
+                    self.log.flush()
+            text = line.decode("utf-8", errors="replace")
+            if keep_tail:
+                self.tail.append(text.rstrip("\n"))
+            if console:
+                console.write(text)
+                console.flush()
+
+    def kill_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def close(self) -> None:
+        for t in self.pumps:
+            t.join(timeout=2.0)  # a lingering grandchild may hold the pipe open: don't wait on it
+        if self.log:
+            with self._log_lock:
+                self.log.close()
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by signal {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    return f"exit code {rc}"
+
+
+def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env) -> int:
+    try:
+        args_json = json.dumps(args)
+    except TypeError as exc:
+        raise BitdetInputError(f"worker args must be JSON-serializable: {exc}") from exc
+    log_dir = Path(run_dir) / "logs" if run_dir is not None else None
+    if log_dir:
+        log_dir.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "megatron_bitdet.train.launch", worker_fn_path, args_json, backend or ""]
+    base = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
+            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "PYTHONUNBUFFERED": "1"}
+    ranks: list[_Rank] = []
+    exits: queue.Queue = queue.Queue()
+    try:
+        for r in range(nproc):
+            rank = _Rank(r, cmd, {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                         log_dir / f"rank_{r:05d}.log" if log_dir else None)
+            ranks.append(rank)
+            threading.Thread(target=lambda k=rank: exits.put((k, k.proc.wait())), daemon=True).start()
+        for _ in range(nproc):  # exit order as it happens: the first failure is the culprit
+            rank, rc = exits.get()
+            if rc != 0:
+                _report(rank, rc, nproc, log_dir)
+                return rc if rc > 0 else 128 - rc
+        return 0
+    finally:
+        if any(k.proc.poll() is None for k in ranks):
+            for k in ranks:
+                k.kill_group(signal.SIGTERM)
+            for k in ranks:
+                try:
+                    k.proc.wait(timeout=TERMINATE_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    k.kill_group(signal.SIGKILL)
+                    k.proc.wait()
+        for k in ranks:
+            k.close()
+
+
+def _report(rank: _Rank, rc: int, nproc: int, log_dir: Path | None) -> None:
+    rank.close()  # drain its output first so the tail is complete
+    lines = [f"bitdet launch: rank {rank.rank} of {nproc} failed ({_describe(rc)}); terminating the other ranks."]
+    if rank.tail:
+        lines.append(f"last lines of rank {rank.rank}'s stderr:")
+        lines += [f"  | {t}" for t in rank.tail]
+    if log_dir:
+        lines.append(f"full log: {log_dir / f'rank_{rank.rank:05d}.log'}")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def launch(worker_fn_path: str, nproc: int, args, *, backend: str | None = None,
+           run_dir: str | os.PathLike | None = None, env: dict | None = None) -> int:
+    """Run ``worker_fn_path`` on ``nproc`` ranks; 0 when every rank succeeded, else the failing rank's code.
+
+    ``args`` (dict -> keyword arguments, list -> positional) must be JSON-serializable.
+    ``env`` is added to the children's environment before their interpreter starts.
+    """
+    if not isinstance(nproc, int) or nproc < 1:
+        raise BitdetInputError(f"nproc must be a positive integer, got {nproc!r}")
+    if under_torchrun():
+        world = int(os.environ["WORLD_SIZE"])
+        if world != nproc:
+            raise BitdetInputError(f"torchrun started {world} processes but this run needs {nproc}")
+        os.environ.update(env or {})
+        return run_rank(worker_fn_path, args, backend)
+    return _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env)
+
+
+def _child_main(argv: list[str]) -> int:
+    worker_path, args_json, backend = argv
+    try:
+        return run_rank(worker_path, json.loads(args_json), backend or None)
+    except BitdetError as exc:
+        print(f"rank {os.environ.get('RANK')}: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+if __name__ == "__main__":
+    sys.exit(_child_main(sys.argv[1:]))

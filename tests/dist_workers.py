@@ -1,0 +1,42 @@
+"""Test-only workers that ``launch`` runs in real child processes (importable via PYTHONPATH=tests)."""
+import json
+import os
+import signal
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def allreduce(rank, world_size, out):
+    t = torch.tensor([float(rank + 1)])
+    dist.all_reduce(t)
+    print(f"rank {rank} sum {t.item()}", flush=True)
+    Path(out, f"rank_{rank}.json").write_text(json.dumps(
+        {"sum": t.item(), "backend": dist.get_backend(), "pid": os.getpid(),
+         "env": {k: os.environ.get(k) for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE",
+                                                "MASTER_ADDR", "BITDET_TEST_MARK")}}))
+
+
+def raise_on(rank, world_size, bad_rank):
+    if rank == bad_rank:
+        raise RuntimeError(f"deliberate failure on rank {rank}")
+    dist.barrier()  # would wait forever for the failed rank: the launcher must end it
+
+
+def sigkill_on(rank, world_size, bad_rank):
+    if rank == bad_rank:
+        os.kill(os.getpid(), signal.SIGKILL)
+    dist.barrier()
+
+
+def build_data(rank, world_size, cache_dir, out, max_bytes, steps):
+    """Every rank builds the same fresh cache concurrently, then dumps its DP slice."""
+    from megatron_bitdet.train.data import build_train_data
+
+    td = build_train_data({"corpus": "python-stdlib", "max_bytes": max_bytes}, seq_length=32, seed=7,
+                          micro_batch_size=2, global_batch_size=4 * world_size, dp_rank=rank,
+                          dp_size=world_size, train_samples=64, cache_dir=cache_dir)
+    batches = [next(td)["tokens"] for _ in range(steps * td.num_microbatches)]
+    torch.save({"tokens": batches, "digest": td.corpus_digest, "state": td.state_dict()},
+               Path(out, f"rank_{rank}.pt"))
