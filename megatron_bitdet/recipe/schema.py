@@ -22,8 +22,9 @@ def _pattern_issue(pattern: str):
 
 
 def _divides(a_key, a, b_key, b):
+    """Reported at the divisor's key: it is usually the knob that was just changed."""
     if a and b and b % a:
-        yield b_key, f"{b} is not divisible by {a_key} ({a})"
+        yield a_key, f"{a} does not divide {b_key} ({b})"
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,7 @@ class MambaConfig:
     conv_kernel: int = bounded(4, ge=1, le=8)  # causal_conv1d supports widths 2..4; torch any small width
 
     def _checks(self):
-        yield from _divides("mamba.num_groups", self.num_groups, "num_heads", self.num_heads)
+        yield from _divides("num_groups", self.num_groups, "mamba.num_heads", self.num_heads)
 
 
 @dataclass(frozen=True)
@@ -89,8 +90,8 @@ class ModelConfig:
         return symbol in self.hybrid_pattern
 
     def _checks(self):
-        yield from _divides("num_attention_heads", self.num_attention_heads, "hidden_size", self.hidden_size)
-        yield from _divides("num_query_groups", self.num_query_groups, "num_attention_heads",
+        yield from _divides("num_attention_heads", self.num_attention_heads, "model.hidden_size", self.hidden_size)
+        yield from _divides("num_query_groups", self.num_query_groups, "model.num_attention_heads",
                             self.num_attention_heads)
         if self.has("E"):
             if self.moe.num_experts == 0:
@@ -147,7 +148,7 @@ class TrainingConfig:
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
 
     def _checks(self):
-        yield from _divides("micro_batch_size", self.micro_batch_size, "global_batch_size",
+        yield from _divides("micro_batch_size", self.micro_batch_size, "training.global_batch_size",
                             self.global_batch_size)
 
 
