@@ -1,0 +1,192 @@
+"""torch.distributed wrappers, present only during a traced step.
+
+Inputs are fingerprinted before the call, outputs after completion: for async ops at `wait()` of the
+returned Work (wrapped). Each record names its peers (group ranks, src / dst as global ranks) so the
+analysis can follow a differing input to the rank that sent it. Megatron binds some functions at
+import (`dist_all_gather_func = torch.distributed.all_gather_into_tensor`); those module aliases are
+swapped too.
+"""
+from __future__ import annotations
+
+import functools
+import inspect
+import sys
+import threading
+from contextlib import contextmanager
+
+import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+
+from megatron_bitdet.trace.digest import trace_tensors
+
+# name -> (argument names holding inputs, argument names holding outputs)
+SPECS = {
+    "all_reduce": (("tensor",), ("tensor",)),
+    "reduce_scatter": (("input_list",), ("output",)),
+    "reduce_scatter_tensor": (("input",), ("output",)),
+    "_reduce_scatter_base": (("input",), ("output",)),
+    "all_gather": (("tensor",), ("tensor_list",)),
+    "all_gather_into_tensor": (("input_tensor",), ("output_tensor",)),
+    "_all_gather_base": (("input_tensor",), ("output_tensor",)),
+    "all_to_all": (("input_tensor_list",), ("output_tensor_list",)),
+    "all_to_all_single": (("input",), ("output",)),
+    "broadcast": (("tensor",), ("tensor",)),
+    "send": (("tensor",), ()),
+    "isend": (("tensor",), ()),
+    "recv": ((), ("tensor",)),
+    "irecv": ((), ("tensor",)),
+}
+_ALWAYS_ASYNC = {"isend", "irecv"}
+_local = threading.local()
+
+
+def _group_ranks(group) -> list[int]:
+    return list(dist.get_process_group_ranks(group if group is not None else dist.group.WORLD))
+
+
+def _global(group, rank):
+    return rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, rank)
+
+
+def _peer(a: dict) -> dict:
+    group = a.get("group")
+    peer = {"group": _group_ranks(group)}
+    for key in ("src", "dst"):
+        if a.get(key) is not None:
+            peer[key] = a[key]
+        elif a.get(f"group_{key}") is not None:
+            peer[key] = _global(group, a[f"group_{key}"])
+    return peer
+
+
+class TracedWork:
+    """Delegates to a c10d Work; the trace record is written once, when wait() returns."""
+
+    def __init__(self, work, on_done):
+        self._work, self._on_done = work, on_done
+
+    def wait(self, *args, **kwargs):
+        result = self._work.wait(*args, **kwargs)
+        if self._on_done is not None:
+            done, self._on_done = self._on_done, None
+            done()
+        return result
+
+    def __getattr__(self, name):
+        return getattr(self._work, name)
+
+
+@contextmanager
+def _inside(tracer):
+    """Nested collectives and the ops they run internally are part of this record, not their own."""
+    _local.inside = True
+    tracer.quiet += 1
+    try:
+        yield
+    finally:
+        _local.inside = False
+        tracer.quiet -= 1
+
+
+def _completion(tracer, name, out_tensors, peer, where, flags=()):
+    """A callback recording outputs at completion; registers the buffers as in flight until then."""
+    ptrs = [t.data_ptr() for t in out_tensors]
+    for p in ptrs:
+        tracer.inflight[p] = name
+
+    def done():
+        for p in ptrs:
+            tracer.inflight.pop(p, None)
+        if tracer.active:
+            extra = {"flags": list(flags)} if flags else {}
+            tracer.record("coll", name, where[2], tracer.fps(out_tensors), phase=where[0], scope=where[1],
+                          peer=peer, **extra)
+    return done
+
+
+def _wrap(tracer, name, orig):
+    sig = inspect.signature(orig)
+    in_names, out_names = SPECS[name]
+
+    @functools.wraps(orig)
+    def wrapper(*args, **kwargs):
+        if getattr(_local, "inside", False) or not tracer.active:
+            return orig(*args, **kwargs)
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        a = bound.arguments
+        phase, scope = tracer.current()
+        ins = tracer.fps(trace_tensors([a[n] for n in in_names]))
+        peer = _peer(a)
+        with _inside(tracer):
+            res = orig(*args, **kwargs)
+        if name == "recv" and isinstance(res, int):
+            peer["src"] = res
+        done = _completion(tracer, name, trace_tensors([a[n] for n in out_names]), peer, (phase, scope, ins))
+        if res is not None and (a.get("async_op") or name in _ALWAYS_ASYNC):
+            return TracedWork(res, done)
+        done()
+        return res
+    return wrapper
+
+
+def _wrap_batch(tracer, orig):
+    """batch_isend_irecv: sends recorded at launch, receives once every returned Work has been waited."""
+    @functools.wraps(orig)
+    def wrapper(p2p_op_list):
+        if getattr(_local, "inside", False) or not tracer.active:
+            return orig(p2p_op_list)
+        phase, scope = tracer.current()
+        recvs = []
+        for op in p2p_op_list:
+            kind = getattr(op.op, "__name__", "")
+            peer = {"group": _group_ranks(op.group), ("dst" if kind == "isend" else "src"): op.peer}
+            if kind == "isend":
+                tracer.record("coll", "batch.isend", tracer.fps([op.tensor]), [], phase=phase, scope=scope,
+                              peer=peer)
+            else:
+                recvs.append(_completion(tracer, "batch.irecv", [op.tensor], peer, (phase, scope, [])))
+        with _inside(tracer):
+            works = orig(p2p_op_list)
+        if not works:
+            for r in recvs:
+                r()
+            return works
+        remaining = [len(works)]
+
+        def one_done():
+            remaining[0] -= 1
+            if remaining[0] == 0:
+                for r in recvs:
+                    r()
+        return [TracedWork(w, one_done) for w in works]
+    return wrapper
+
+
+def _targets():
+    """Modules whose attributes may hold the torch.distributed functions (ours and megatron's aliases)."""
+    mods = [dist, c10d]
+    mods += [m for n, m in list(sys.modules.items()) if n.startswith("megatron.core") and m is not None]
+    return mods
+
+
+@contextmanager
+def installed(tracer):
+    if not dist.is_available():
+        yield
+        return
+    originals = {n: getattr(c10d, n) for n in (*SPECS, "batch_isend_irecv") if hasattr(c10d, n)}
+    wrappers = {id(f): (_wrap_batch(tracer, f) if n == "batch_isend_irecv" else _wrap(tracer, n, f))
+                for n, f in originals.items()}
+    swapped = []
+    for mod in _targets():
+        for attr, val in list(vars(mod).items()):
+            w = wrappers.get(id(val)) if callable(val) else None
+            if w is not None:
+                setattr(mod, attr, w)
+                swapped.append((mod, attr, val))
+    try:
+        yield
+    finally:
+        for mod, attr, val in swapped:
+            setattr(mod, attr, val)

@@ -1,0 +1,102 @@
+"""On-disk trace format: one append-only JSONL per rank, header first, whole lines only.
+
+Records carry no timestamps and no global sequence numbers, so two identical runs write
+byte-identical lines; the analysis compares raw lines and parses only around a mismatch.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from megatron_bitdet.errors import BitdetInputError
+
+FORMAT = "bitdet-trace"
+VERSION = 1
+LEVELS = ("semantic", "module", "op")
+
+
+def trace_dir(run_dir) -> Path:
+    return Path(run_dir) / "traces"
+
+
+def trace_path(run_dir, rank: int) -> Path:
+    return trace_dir(run_dir) / f"rank_{rank:05d}.trace.jsonl"
+
+
+def event_id(rec: dict) -> str:
+    """The run-independent id: step / phase / module scope / name / occurrence within (scope, name)."""
+    return f"{rec['step']}/{rec['phase']}/{rec['scope']}/{rec['name']}#{rec['n']}"
+
+
+class TraceWriter:
+    """Buffered writer that only ever appends complete, flushed lines."""
+
+    def __init__(self, path: Path, header: dict):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(path, "w", encoding="utf-8")
+        self._f.write(json.dumps({"format": FORMAT, "v": VERSION, **header}, separators=(",", ":")) + "\n")
+        self._f.flush()
+
+    def write_lines(self, lines: list[str]) -> None:
+        if lines:
+            self._f.write("\n".join(lines) + "\n")
+            self._f.flush()
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            self._f.close()
+
+
+@dataclass
+class TraceFile:
+    """An opened trace: validated header plus a line iterator that yields (line_no, raw bytes)."""
+
+    path: Path
+    header: dict
+
+    def lines(self):
+        """Raw record lines; a truncated last line is dropped (see `truncated`), a torn middle line raises."""
+        self.truncated = False
+        with open(self.path, "rb") as f:
+            f.readline()
+            line_no = 1
+            for raw in f:
+                line_no += 1
+                if not raw.endswith(b"\n"):
+                    self.truncated = True  # crash while writing the final record
+                    return
+                yield line_no, raw
+
+
+def parse_record(path: Path, line_no: int, raw: bytes) -> dict:
+    try:
+        rec = json.loads(raw)
+        event_id(rec)
+        return rec
+    except (ValueError, KeyError, TypeError) as exc:
+        raise BitdetInputError(f"{path}:{line_no}: not a trace record ({exc})") from None
+
+
+def open_trace(path: Path) -> TraceFile:
+    """Open and validate a trace file's header; BitdetInputError names the file on any problem."""
+    path = Path(path)
+    if not path.is_file():
+        raise BitdetInputError(f"{path}: trace file missing")
+    with open(path, "rb") as f:
+        first = f.readline()
+    try:
+        header = json.loads(first)
+    except ValueError:
+        raise BitdetInputError(f"{path}:1: not a bitdet trace header") from None
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise BitdetInputError(f"{path}:1: foreign file (no '{FORMAT}' header)")
+    if header.get("v") != VERSION:
+        raise BitdetInputError(f"{path}:1: trace format version {header.get('v')!r}, expected {VERSION}")
+    for key in ("rank", "world_size", "level"):
+        if key not in header:
+            raise BitdetInputError(f"{path}:1: header lacks {key!r}")
+    return TraceFile(path, header)

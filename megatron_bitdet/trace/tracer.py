@@ -1,0 +1,169 @@
+"""The per-rank Tracer: windows, phases, scopes, run-independent event ids, buffered JSONL records.
+
+Nothing is installed outside a traced step: hooks, the dispatch mode and the torch.distributed
+wrappers are put in place when a step inside the window begins and removed when it ends.
+"""
+from __future__ import annotations
+
+import json
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.trace import collectives, hooks, ops
+from megatron_bitdet.trace.digest import HASHES, digest, resolve, trace_tensors
+from megatron_bitdet.trace.format import LEVELS, TraceWriter, trace_path
+
+_FLUSH_EVERY = 4096
+
+
+@dataclass(frozen=True)
+class TraceConfig:
+    level: str = "semantic"
+    steps: tuple[int, int] = (1, 1 << 62)   # inclusive window
+    ranks: frozenset[int] | None = None     # None: every rank
+    hash: str = "fast"
+
+    def __post_init__(self):
+        if self.level not in LEVELS:
+            raise BitdetInputError(f"trace level {self.level!r}: expected one of {', '.join(LEVELS)}")
+        if self.hash not in HASHES:
+            raise BitdetInputError(f"trace hash {self.hash!r}: expected one of {', '.join(HASHES)}")
+
+
+class Tracer:
+    """Write this rank's trace under RUN_DIR/traces/. No collectives, no cross-rank ordering."""
+
+    def __init__(self, run_dir, rank: int, world_size: int, level: str = "semantic",
+                 steps: tuple[int, int] = (1, 1 << 62), ranks=None, hash: str = "fast",
+                 manifest_digest: str | None = None):
+        self.config = TraceConfig(level, tuple(steps), frozenset(ranks) if ranks is not None else None, hash)
+        self.rank = rank
+        self.enabled = ranks is None or rank in self.config.ranks
+        self.active = False
+        self.modules: list[tuple[str, torch.nn.Module]] = []
+        self._phase = ["forward"]
+        self._scope: list[str] = []
+        self.bwd_scope = ""
+        self._counts: dict = {}
+        self._buf: list[dict] = []
+        self._step = 0
+        self.quiet = 0                   # >0 while the tracer itself runs torch ops (not traced)
+        self.inflight: dict[int, str] = {}  # data_ptr -> async collective whose output is not waited yet
+        self._writer = None
+        if self.enabled:
+            self._writer = TraceWriter(trace_path(run_dir, rank), {
+                "rank": rank, "world_size": world_size, "level": level, "steps": list(self.config.steps),
+                "ranks": sorted(self.config.ranks) if self.config.ranks is not None else None,
+                "hash": hash, "manifest_digest": manifest_digest,
+            })
+
+    # -- setup -------------------------------------------------------------------------------
+    def attach(self, model_chunks) -> None:
+        """Remember the model chunks whose modules get scope names (hooks come only with a traced step)."""
+        chunks = model_chunks if isinstance(model_chunks, (list, tuple)) else [model_chunks]
+        multi = len(chunks) > 1
+        for i, chunk in enumerate(chunks):
+            for name, mod in chunk.named_modules():
+                full = ".".join(p for p in (f"chunk{i}" if multi else "", name) if p) or "model"
+                self.modules.append((full, mod))
+
+    def in_window(self, step: int) -> bool:
+        lo, hi = self.config.steps
+        return self.enabled and lo <= step <= hi
+
+    @contextmanager
+    def step(self, step: int):
+        """Trace this step if it lies in the window; otherwise run it untouched."""
+        if not self.in_window(step):
+            yield self
+            return
+        self._step, self._counts, self.active = step, {}, True
+        with ExitStack() as stack:
+            stack.enter_context(collectives.installed(self))
+            if self.config.level in ("module", "op"):
+                stack.enter_context(hooks.installed(self, record=self.config.level == "module"))
+            if self.config.level == "op":
+                stack.enter_context(ops.installed(self))
+            try:
+                yield self
+            finally:
+                self.active = False
+        self.flush()
+
+    @contextmanager
+    def phase(self, name: str):
+        self._phase.append(name)
+        try:
+            yield
+        finally:
+            self._phase.pop()
+
+    # -- scope (maintained by hooks) ------------------------------------------------------------
+    def push_scope(self, name: str) -> None:
+        self._scope.append(name)
+
+    def pop_scope(self) -> None:
+        if self._scope:
+            self._scope.pop()
+
+    def current(self) -> tuple[str, str]:
+        """(phase, scope) now; autograd's engine thread means backward, scoped by the tensor hooks."""
+        phase = self._phase[-1]
+        if torch._C._current_autograd_node() is not None:
+            return ("backward" if phase == "forward" else phase), self.bwd_scope
+        return phase, self._scope[-1] if self._scope else ""
+
+    # -- records --------------------------------------------------------------------------------
+    def fps(self, tensors) -> list:
+        mode = self.config.hash
+        self.quiet += 1
+        try:
+            return [digest(t, mode) for t in tensors]
+        finally:
+            self.quiet -= 1
+
+    def record(self, kind: str, name: str, ins: list, outs: list, phase: str | None = None,
+               scope: str | None = None, **extra) -> None:
+        ph, sc = self.current()
+        ph, sc = phase or ph, sc if scope is None else scope
+        key = (ph, sc, name)
+        n = self._counts.get(key, 0)
+        self._counts[key] = n + 1
+        rec = {"step": self._step, "phase": ph, "scope": sc, "name": name, "n": n, "k": kind,
+               "in": ins, "out": outs}
+        rec.update(extra)
+        self._buf.append(rec)
+        if len(self._buf) >= _FLUSH_EVERY:
+            self.flush()
+
+    def event(self, name: str, tensors=None, *, inputs=None, phase: str | None = None,
+              scope: str | None = None, **extra) -> None:
+        """A named semantic event (gradient reduction, optimizer step, recomputation, pipeline p2p...).
+
+        `tensors` are the values observed at this point (outputs); `inputs` those it was computed from.
+        """
+        if not self.active:
+            return
+        self.record("event", name, self.fps(trace_tensors(inputs)), self.fps(trace_tensors(tensors)),
+                    phase=phase, scope=scope, **extra)
+
+    def flush(self) -> None:
+        if not self._buf or self._writer is None:
+            return
+        buf, self._buf = self._buf, []
+        resolve([r["in"] for r in buf] + [r["out"] for r in buf])
+        self._writer.write_lines([json.dumps(r, separators=(",", ":")) for r in buf])
+
+    def close(self) -> None:
+        self.flush()
+        if self._writer is not None:
+            self._writer.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
