@@ -10,7 +10,7 @@ import pytest
 import torch
 import xxhash
 
-from megatron_bitdet.analysis.compare import compare_runs
+from megatron_bitdet.analysis.compare import ScopeMismatchError, compare_runs
 from megatron_bitdet.analysis.fingerprints_io import load_run
 from megatron_bitdet.cli import main
 from megatron_bitdet.errors import BitdetInputError
@@ -235,3 +235,14 @@ def test_tensorboard_dirs(tmp_path, capsys):
     div = json.loads(p.stdout)["first_divergence"]
     assert (div["step"], div["metrics"]) == (4, ["lm loss"])
     assert (div["details"][0]["ulp"], div["details"][0]["a"].split(":")[0]) == (1, "float32")
+
+
+def test_missing_or_corrupt_manifest(tmp_path):
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b")
+    (b / "manifest.json").unlink()
+    with pytest.raises(ScopeMismatchError, match="manifest.json: A='present'  B='missing'"):
+        compare_runs(a, b)
+    assert compare_runs(a, b, force=True).verdict == "match"
+    (b / "manifest.json").write_text('{"scope": ')
+    with pytest.raises(BitdetInputError, match="malformed manifest"):
+        compare_runs(a, b, force=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from megatron_bitdet.analysis.fingerprints_io import DIGEST_PREFIX, RunData, load_run
+from megatron_bitdet.enforce.manifest import scope_diff
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_float, first_differing_bit, ulp_distance
 
@@ -123,23 +124,13 @@ def _check_scope(a: RunData, b: RunData, force: bool, warnings: list[str]) -> li
         state = {True: "missing", False: "present"}
         mismatches = [{"key": "manifest.json", "a": state[a.manifest is None], "b": state[b.manifest is None]}]
     else:
-        mismatches = scope_diff(a.manifest["scope"], b.manifest["scope"])
+        diff = scope_diff(a.manifest["scope"], b.manifest["scope"])
+        mismatches = [{"key": k, "a": va, "b": vb} for k, va, vb in diff]
     if mismatches and not force:
         raise ScopeMismatchError(mismatches)
     if mismatches:
         warnings.append(f"validation scopes differ in {len(mismatches)} key(s); compared anyway (--force)")
     return mismatches
-
-
-def scope_diff(a: dict, b: dict) -> list[dict]:
-    """Keys whose values differ between two flat scopes (a key absent on one side differs)."""
-    try:
-        from megatron_bitdet.enforce.manifest import scope_diff as upstream
-    except ImportError:
-        absent = "<absent>"
-        return [{"key": k, "a": a.get(k, absent), "b": b.get(k, absent)}
-                for k in sorted(set(a) | set(b)) if a.get(k, absent) != b.get(k, absent)]
-    return [m if isinstance(m, dict) else dict(zip(("key", "a", "b"), m)) for m in upstream(a, b)]
 
 
 def _select_ranks(a: RunData, b: RunData, wanted) -> list[int]:

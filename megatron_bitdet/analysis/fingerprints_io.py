@@ -11,6 +11,7 @@ import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from megatron_bitdet.enforce.manifest import load_manifest
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_bits
 
@@ -164,21 +165,4 @@ def _parse_record(obj, path: Path, no: int, rank: int) -> StepRecord:
 
 def read_manifest(path: Path) -> dict | None:
     """The run manifest, or None when the run has none; a corrupt one is unusable input."""
-    if not path.exists():
-        return None
-    try:
-        from megatron_bitdet.enforce.manifest import load_manifest
-    except ImportError:
-        load_manifest = _load_manifest_minimal
-    return load_manifest(path)
-
-
-def _load_manifest_minimal(path: Path) -> dict:
-    """Stand-in until enforce.manifest exists: JSON object with a dict 'scope'."""
-    try:
-        obj = json.loads(path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise BitdetInputError(f"{path}: not valid JSON ({exc})") from None
-    if not isinstance(obj, dict) or not isinstance(obj.get("scope"), dict):
-        raise BitdetInputError(f"{path}: not a bitdet manifest (no 'scope' object)")
-    return obj
+    return load_manifest(path) if path.exists() else None

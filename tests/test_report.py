@@ -1,0 +1,78 @@
+"""report.html from real fingerprint files and real comparisons."""
+from __future__ import annotations
+
+import re
+from html.parser import HTMLParser
+
+from test_compare import write_run  # the fingerprint-file writer shared with the compare tests
+
+from megatron_bitdet.analysis.compare import compare_runs
+from megatron_bitdet.analysis.report import RunSpec, Verdict, render_report
+
+TAX = {"tax_percent": 2.4,
+       "step_time_ms": {"deterministic": {"median": 41.0, "p10": 40.1, "p90": 43.0},
+                        "baseline": {"median": 40.0, "p10": 39.5, "p90": 41.2}},
+       "op_groups_ms": {"deterministic": {"matmul": 20.0, "embedding_bwd": 3.0}, "baseline": {"matmul": 20.1}},
+       "comm_ms": {"deterministic": 4.0, "baseline": 3.9},
+       "peak_memory_mib": {"deterministic": 512.0, "baseline": 500.0}}
+
+
+class _Tags(HTMLParser):
+    """Counts tags and checks nesting, a cheap 'is this HTML well-formed' check."""
+
+    VOID = {"img", "meta", "br"}
+
+    def __init__(self):
+        super().__init__()
+        self.stack, self.counts, self.errors = [], {}, []
+
+    def handle_starttag(self, tag, attrs):
+        self.counts[tag] = self.counts.get(tag, 0) + 1
+        if tag not in self.VOID:
+            self.stack.append(tag)
+
+    def handle_endtag(self, tag):
+        if not self.stack or self.stack.pop() != tag:
+            self.errors.append(tag)
+
+
+def _parse(path):
+    text = path.read_text()
+    p = _Tags()
+    p.feed(text)
+    assert not p.errors and not p.stack, (p.errors, p.stack)
+    return text, p.counts
+
+
+def test_report_with_a_broken_guarantee(tmp_path):
+    a = write_run(tmp_path / "a", steps=6)
+    b = write_run(tmp_path / "b", steps=6)
+    resumed = write_run(tmp_path / "resumed", steps=6, nudge=(0, 4))
+    results = {"A vs B": compare_runs(a, b), "A vs resumed": compare_runs(a, resumed)}
+    verdicts = [Verdict("independent reproducibility", results["A vs B"].verdict == "match", "6 steps equal"),
+                {"guarantee": "bitwise checkpoint resume", "holds": results["A vs resumed"].verdict == "match",
+                 "evidence": "first divergence at step 4"}]
+    out = render_report(tmp_path / "out" / "report.html", title="prove <tiny>", verdicts=verdicts,
+                        runs=[RunSpec("A", str(a)), RunSpec("B", str(b)),
+                              {"label": "resumed", "path": str(resumed), "resume_steps": (3,)}],
+                        compare_results=results, tax=TAX)
+    text, counts = _parse(out)
+    assert counts["img"] == 1 + len(results) + 1  # metrics, one bit-distance plot per comparison, tax
+    assert len(re.findall(r"src='data:image/png;base64,iVBORw0KGgo", text)) == counts["img"]
+    rows = re.findall(r"<tr class='verdict (\w+)'><td>([^<]*)</td><td class='status'>(\w+)</td>", text)
+    assert rows == [("holds", "independent reproducibility", "holds"),
+                    ("broken", "bitwise checkpoint resume", "BROKEN")]
+    assert "1 of 2 guarantees BROKEN" in text and "prove &lt;tiny&gt;" in text
+    assert "diverged</b> at step <b>4</b>" in text and "+2.4%" in text
+    assert "<td>torch_threads</td>" in text
+
+
+def test_report_all_holding_without_tax(tmp_path):
+    a, b = write_run(tmp_path / "a", ranks=1), write_run(tmp_path / "b", ranks=1)
+    out = render_report(tmp_path / "report.html", title="t", verdicts=[Verdict("reproducible", True, "ok")],
+                        runs=[RunSpec("A", str(a)), RunSpec("B", str(b))],
+                        compare_results={"A vs B": compare_runs(a, b)},
+                        extra_sections=[{"title": "notes", "body": "x < y"}])
+    text, counts = _parse(out)
+    assert counts["img"] == 2 and "every guarantee holds" in text and "BROKEN" not in text
+    assert "<pre>x &lt; y</pre>" in text
