@@ -1,0 +1,147 @@
+"""MoE load-balancing (aux) loss with a fixed reduction order, and rank-ordered cross-rank sums.
+
+megatron-core's fused path (TE ``fused_moe_aux_loss``) adds per-CTA partials with ``atomicAdd``, and
+its logging tracker all-reduces float losses, whose bits then depend on the collective algorithm and
+topology. Here every float sum has one order, fixed by the shapes alone:
+
+* the per-expert probability sums are built from per-block partials, each block of ``block_rows``
+  tokens in its own private slot, each slot and then the slots combined by the pairwise tree of
+  :func:`tree_sum` (elementwise adds only: independent of threads, vector width and hardware);
+* cross-rank float sums all_gather the per-rank values (exact data movement) and add them in rank
+  order (:func:`rank_ordered_sum`); integer token counts keep megatron's all_reduce (exact).
+
+The backward has no reduction at all (d loss / d probs[t, e] = g * scale * tokens_per_expert[e]); it
+is written out so that its bits equal megatron's unfused autograd graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional
+
+import torch
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class AuxLossConfig:
+    """block_rows: tokens per private partial slot (the CTA tile of a GPU kernel doing the same sum)."""
+
+    block_rows: int = 256
+
+
+DEFAULT_AUX_CONFIG = AuxLossConfig()
+
+
+def tree_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
+    """Sum along ``dim`` by a fixed pairwise tree: element i is added to element i + n//2, an odd
+    tail is added to the last pair; repeat. The order depends only on the length along ``dim``."""
+    x = x.movedim(dim, 0)
+    n = x.shape[0]
+    if n <= 1:
+        return x.sum(0) if n == 0 else x[0].clone()
+    h = n // 2
+    buf = x[:h] + x[h : 2 * h]  # the one materialized intermediate; later levels fold in place
+    if n % 2:
+        buf[h - 1] += x[2 * h]
+    n = h
+    while n > 1:
+        h = n // 2
+        buf[:h] += buf[h : 2 * h]
+        if n % 2:
+            buf[h - 1] += buf[2 * h]
+        n = h
+    return buf[0]
+
+
+def block_partials(probs: torch.Tensor, block_rows: int) -> torch.Tensor:
+    """[S, E] private slots: slot s holds the tree sum of token block s (the tail block is its own slot)."""
+    tokens, experts = probs.shape
+    full = tokens // block_rows
+    slots = []
+    if full:
+        slots.append(tree_sum(probs[: full * block_rows].reshape(full, block_rows, experts), dim=1))
+    if tokens > full * block_rows or not tokens:
+        slots.append(tree_sum(probs[full * block_rows :], dim=0).unsqueeze(0))
+    return slots[0] if len(slots) == 1 else torch.cat(slots)
+
+
+class FixedOrderAuxLoss(torch.autograd.Function):
+    """loss = scale * sum_e(tokens_per_expert[e] * sum_t probs[t, e]), every sum in a fixed order."""
+
+    @staticmethod
+    def forward(ctx, probs, tokens_per_expert, scale, block_rows):
+        per_expert = tree_sum(block_partials(probs, block_rows), dim=0)
+        ctx.save_for_backward(tokens_per_expert)
+        ctx.scale, ctx.probs_shape = scale, probs.shape
+        return tree_sum(per_expert * tokens_per_expert, dim=0) * scale
+
+    @staticmethod
+    def backward(ctx, grad):
+        (tokens_per_expert,) = ctx.saved_tensors
+        # Same ops in the same order as autograd through megatron's unfused expression.
+        grad_probs = ((grad * ctx.scale) * tokens_per_expert).expand(ctx.probs_shape)
+        return grad_probs, None, None, None
+
+
+def fixed_order_aux_loss(probs, tokens_per_expert, scale, config: AuxLossConfig = DEFAULT_AUX_CONFIG):
+    """The fused fixed-order aux loss for a precomputed ``scale`` (float or 0-d tensor)."""
+    return FixedOrderAuxLoss.apply(probs, tokens_per_expert, scale, config.block_rows)
+
+
+def switch_load_balancing_loss_func(
+    probs: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    total_num_tokens,
+    topk: int,
+    num_experts: int,
+    moe_aux_loss_coeff: float,
+    fused: bool = False,
+    padding_mask: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Drop-in for megatron's function of the same name; ``fused`` is accepted and ignored: this
+    is always the fused fixed-order path (it replaces TE's atomic kernel too)."""
+    if padding_mask is not None:
+        probs = probs * padding_mask.unsqueeze(-1)
+    scale = num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens)
+    return fixed_order_aux_loss(probs, tokens_per_expert, scale)
+
+
+def rank_ordered_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum of ``tensor`` over ``group``, added in group-rank order after an all_gather, so every rank
+    gets the same bits whatever collective algorithm, topology or group construction is used."""
+    if not dist.is_initialized() or dist.get_world_size(group) == 1:
+        return tensor.clone()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    total = parts[0]
+    for part in parts[1:]:
+        total += part
+    return total
+
+
+def reduce_aux_losses_tracker_across_ranks(track_names: Optional[List[str]] = None, pg_collection=None) -> None:
+    """megatron's tracker reduction (PP sum, reduce-group sum, DP average) with rank-ordered sums
+    instead of float all_reduce; the average divides the rank-ordered sum by the group size."""
+    from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+
+    tracker = get_moe_layer_wise_logging_tracker()
+    if pg_collection is None:
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+    else:
+        pp_group, dp_group = pg_collection.pp, pg_collection.dp
+
+    def average(values, group):
+        return rank_ordered_sum(values, group) / dist.get_world_size(group)
+
+    for name in tracker.keys() if track_names is None else track_names:
+        entry = tracker[name]
+        values = rank_ordered_sum(entry["values"], pp_group)
+        if entry.get("reduce_group") is not None:
+            values = rank_ordered_sum(values, entry["reduce_group"])
+            if not entry.get("reduce_group_has_dp", False):
+                values = average(values, dp_group)
+        if entry.get("avg_group") is not None:
+            values = average(values, entry["avg_group"])
+        entry["values"].copy_(values)

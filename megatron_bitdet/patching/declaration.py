@@ -1,0 +1,143 @@
+"""Patch declarations: each swap of a megatron-core symbol is data in ``patches/<id>.yaml``.
+
+A declaration names every *binding* a swap must reach: ``from m import f`` copies ``f`` into the
+importing module, so patching ``m.f`` alone misses that caller. Schema (all keys required unless
+marked optional; unknown keys are errors)::
+
+    id: moe_aux_loss                      # = file stem
+    rule: moe_aux_loss                    # the enforce rules-table swap id it serves
+    megatron_core: ">=0.16.1,<0.17"       # PEP 440 specifier of supported versions
+    why: ...                              # the nondeterminism it removes
+    swaps:
+      - replacement: megatron_bitdet.kernels.moe_aux:switch_load_balancing_loss_func
+        targets: [megatron.core.transformer.moe.moe_utils:switch_load_balancing_loss_func, ...]
+        optional_binding: false           # optional: megatron binds the targets only when a GPU package imports
+        untouched: {module:attr: reason}  # optional: other bindings of the original, left alone on purpose
+"""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+import yaml
+from packaging.specifiers import InvalidSpecifier, SpecifierSet
+
+from megatron_bitdet.errors import BitdetInputError
+
+PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
+_SYMBOL = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
+_TOP_KEYS = {"id", "rule", "megatron_core", "why", "swaps"}
+_SWAP_KEYS = {"replacement", "targets", "optional_binding", "untouched"}
+
+
+def split_symbol(symbol: str) -> Tuple[str, str]:
+    """``"pkg.module:attr"`` -> ``("pkg.module", "attr")``."""
+    module, attr = symbol.split(":")
+    return module, attr
+
+
+@dataclass(frozen=True)
+class Swap:
+    """One replacement and every binding (module global) it is installed into."""
+
+    replacement: str
+    targets: Tuple[str, ...]
+    optional_binding: bool = False
+    untouched: Dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class PatchDeclaration:
+    id: str
+    rule: str
+    megatron_core: SpecifierSet
+    why: str
+    swaps: Tuple[Swap, ...]
+    source: str
+
+    def supports(self, version: str) -> bool:
+        return self.megatron_core.contains(version, prereleases=True)
+
+
+def _fail(source, message):
+    raise BitdetInputError(f"{source}: {message}")
+
+
+def _symbol(source, where, value):
+    if not isinstance(value, str) or not _SYMBOL.match(value):
+        _fail(source, f"{where} must be 'dotted.module:attribute', got {value!r}")
+    return value
+
+
+def _swap(source, index, data) -> Swap:
+    where = f"swaps[{index}]"
+    if not isinstance(data, dict):
+        _fail(source, f"{where} must be a mapping")
+    unknown = set(data) - _SWAP_KEYS
+    if unknown:
+        _fail(source, f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_SWAP_KEYS)}")
+    targets = data.get("targets")
+    if not isinstance(targets, list) or not targets:
+        _fail(source, f"{where}.targets must be a non-empty list")
+    targets = tuple(_symbol(source, f"{where}.targets", t) for t in targets)
+    for t in targets:
+        if not t.startswith("megatron.core."):
+            _fail(source, f"{where}.targets: {t!r} is not a megatron.core symbol")
+    if len(set(targets)) != len(targets):
+        _fail(source, f"{where}.targets lists a binding twice")
+    optional = data.get("optional_binding", False)
+    if not isinstance(optional, bool):
+        _fail(source, f"{where}.optional_binding must be true or false")
+    untouched = data.get("untouched", {})
+    if not isinstance(untouched, dict) or not all(isinstance(v, str) and v.strip() for v in untouched.values()):
+        _fail(source, f"{where}.untouched must map 'module:attr' to a reason")
+    for key in untouched:
+        _symbol(source, f"{where}.untouched", key)
+    return Swap(_symbol(source, f"{where}.replacement", data.get("replacement")), targets, optional, dict(untouched))
+
+
+def parse_declaration(data, source: str) -> PatchDeclaration:
+    """Validate one declaration (already parsed YAML); ``source`` names it in every error."""
+    if not isinstance(data, dict):
+        _fail(source, "a patch declaration must be a YAML mapping")
+    missing, unknown = _TOP_KEYS - set(data), set(data) - _TOP_KEYS
+    if missing or unknown:
+        _fail(source, f"missing key(s) {sorted(missing)}, unknown key(s) {sorted(unknown)}; required: {sorted(_TOP_KEYS)}")
+    for key in ("id", "rule", "why", "megatron_core"):
+        if not isinstance(data[key], str) or not data[key].strip():
+            _fail(source, f"{key} must be a non-empty string")
+    try:
+        spec = SpecifierSet(data["megatron_core"])
+    except InvalidSpecifier:
+        _fail(source, f"megatron_core: {data['megatron_core']!r} is not a version specifier (e.g. '>=0.16.1,<0.17')")
+    if not isinstance(data["swaps"], list) or not data["swaps"]:
+        _fail(source, "swaps must be a non-empty list")
+    swaps = tuple(_swap(source, i, s) for i, s in enumerate(data["swaps"]))
+    return PatchDeclaration(data["id"], data["rule"], spec, data["why"].strip(), swaps, source)
+
+
+def load_declaration(path) -> PatchDeclaration:
+    path = Path(path)
+    try:
+        data = yaml.safe_load(path.read_text())
+    except (OSError, UnicodeDecodeError, yaml.YAMLError) as exc:
+        raise BitdetInputError(f"{path}: cannot read patch declaration: {exc}") from exc
+    decl = parse_declaration(data, str(path))
+    if decl.id != path.stem:
+        _fail(path, f"id {decl.id!r} must equal the file name {path.stem!r}")
+    return decl
+
+
+def load_declarations(directory=None, ids: Optional[List[str]] = None) -> List[PatchDeclaration]:
+    """Every ``*.yaml`` in ``directory`` (default: the repository's ``patches/``), sorted by id;
+    with ``ids``, exactly those (an unknown id is an error)."""
+    directory = Path(directory) if directory is not None else PATCHES_DIR
+    decls = {d.id: d for d in map(load_declaration, sorted(directory.glob("*.yaml")))}
+    if ids is None:
+        return list(decls.values())
+    unknown = [i for i in ids if i not in decls]
+    if unknown:
+        raise BitdetInputError(f"unknown patch id(s) {unknown} in {directory}; known: {sorted(decls)}")
+    return [decls[i] for i in ids]
