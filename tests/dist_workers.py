@@ -1,5 +1,6 @@
 """Test-only workers that ``launch`` runs in real child processes (importable via PYTHONPATH=tests)."""
 import json
+import multiprocessing
 import os
 import signal
 from pathlib import Path
@@ -8,9 +9,18 @@ import torch
 import torch.distributed as dist
 
 
+def _touch(path):
+    Path(path).write_text("helper ran")
+
+
 def allreduce(rank, world_size, out):
     t = torch.tensor([float(rank + 1)])
     dist.all_reduce(t)
+    if rank == 0:  # like dist_checkpointing's async save: a spawn-started helper re-imports __main__
+        helper = multiprocessing.get_context("spawn").Process(target=_touch, args=(Path(out, "helper"),))
+        helper.start()
+        helper.join()
+        assert helper.exitcode == 0
     print(f"rank {rank} sum {t.item()}", flush=True)
     Path(out, f"rank_{rank}.json").write_text(json.dumps(
         {"sum": t.item(), "backend": dist.get_backend(), "pid": os.getpid(),

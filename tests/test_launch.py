@@ -24,6 +24,7 @@ def test_two_rank_allreduce_succeeds_with_logs_and_env(tmp_path, capfd):
     assert rc == 0
     results = [json.loads((tmp_path / f"rank_{r}.json").read_text()) for r in range(2)]
     assert [r["sum"] for r in results] == [3.0, 3.0]
+    assert (tmp_path / "helper").read_text() == "helper ran"
     assert {r["backend"] for r in results} == {"gloo"}
     assert [r["env"]["RANK"] for r in results] == ["0", "1"]
     for r in results:
