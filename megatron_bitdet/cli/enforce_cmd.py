@@ -37,6 +37,7 @@ def _env_table(enforcement):
 
 def run(args) -> int:
     from rich.console import Console
+    from rich.text import Text
 
     from megatron_bitdet.enforce import build_manifest, enable, write_manifest
     from megatron_bitdet.recipe import load_recipe
@@ -46,10 +47,10 @@ def run(args) -> int:
     manifest = build_manifest(recipe, enforcement, world_size=1)
     err = Console(stderr=True)
     for w in enforcement.warnings:
-        err.print(f"[yellow]warning:[/yellow] {w}", markup=True, highlight=False)
-    Console(stderr=True).print(_env_table(enforcement))
+        err.print(Text("warning: ", style="yellow") + Text(w), highlight=False)
+    err.print(_env_table(enforcement))
     json.dump(manifest, sys.stdout, indent=2, sort_keys=True)
     sys.stdout.write("\n")
     if args.run_dir:
-        err.print(f"wrote {write_manifest(args.run_dir, manifest)}", highlight=False)
+        print(f"wrote {write_manifest(args.run_dir, manifest)}", file=sys.stderr)
     return 0
