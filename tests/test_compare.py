@@ -235,6 +235,8 @@ def test_tensorboard_dirs(tmp_path, capsys):
     div = json.loads(p.stdout)["first_divergence"]
     assert (div["step"], div["metrics"]) == (4, ["lm loss"])
     assert (div["details"][0]["ulp"], div["details"][0]["a"].split(":")[0]) == (1, "float32")
+    assert compare_runs(a, same, metrics=["iteration-time"]).verdict == "match"  # hidden tags on request
+    assert compare_runs(a, bumped, metrics=["iteration-time"]).first_divergence.step == 1
 
 
 def test_missing_or_corrupt_manifest(tmp_path):

@@ -99,6 +99,8 @@ def _e(x) -> str:
 
 
 def _verdict_table(verdicts: list[Verdict]) -> str:
+    if not verdicts:
+        return ""
     broken = sum(not v.holds for v in verdicts)
     state = "broken" if broken else "holds"
     banner = f"{broken} of {len(verdicts)} guarantees BROKEN" if broken else "every guarantee holds"
