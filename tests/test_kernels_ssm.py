@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from megatron_bitdet.errors import BitdetInputError
-from megatron_bitdet.kernels.causal_conv1d import causal_conv1d_fn
+from megatron_bitdet.kernels.causal_conv1d import causal_conv1d_fn, ssd_split_conv1d_scan_combined
 from megatron_bitdet.kernels.gated_rmsnorm import GatedRMSNorm, gated_rms_norm
 from megatron_bitdet.kernels.ssd import UnsupportedKernelFeature, ssd_chunk_scan_combined
 
@@ -254,3 +254,24 @@ def test_causal_conv1d_bitwise_repeatable_and_refusals():
         causal_conv1d_fn(*base, seq_idx=torch.zeros(4, 300, dtype=torch.int32))
     with pytest.raises(UnsupportedKernelFeature, match="activation"):
         causal_conv1d_fn(*base, activation="relu")
+
+
+def test_split_conv1d_scan_matches_conv_loop_then_recurrence():
+    """megatron's mem-eff path: split z|xBC|dt, conv+silu, scan with softplus(dt+bias), D, silu(z)."""
+    b, l, h, p, g, n = 2, 19, 4, 3, 2, 5
+    dim, conv_dim = h * p, h * p + 2 * g * n
+    gen = torch.Generator().manual_seed(9)
+    r = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64)  # noqa: E731
+    zxbcdt, w, bias, dt_bias, D = r(b, l, 2 * dim + 2 * g * n + h), r(conv_dim, 4), r(conv_dim), r(h), r(h)
+    A = -torch.rand(h, generator=gen, dtype=torch.float64) - 0.1
+    out, final = ssd_split_conv1d_scan_combined(zxbcdt, w, bias, dt_bias, A, D, 8, headdim=p, ngroups=g,
+                                                return_final_states=True)
+    z, xBC, dt = torch.split(zxbcdt, [dim, conv_dim, h], dim=-1)
+    xBC = loop_causal_conv1d(xBC.transpose(1, 2), w, bias, None, True)[0].transpose(1, 2)
+    x, B, C = torch.split(xBC, [dim, g * n, g * n], dim=-1)
+    ref, ref_final = sequential_ssd(x.reshape(b, l, h, p), dt, A, B.reshape(b, l, g, n), C.reshape(b, l, g, n),
+                                    D=D, z=z.reshape(b, l, h, p), dt_bias=dt_bias, dt_softplus=True)
+    torch.testing.assert_close(out, ref.reshape(b, l, dim), atol=1e-10, rtol=1e-10)
+    torch.testing.assert_close(final, ref_final, atol=1e-10, rtol=1e-10)
+    with pytest.raises(UnsupportedKernelFeature, match="rmsnorm"):
+        ssd_split_conv1d_scan_combined(zxbcdt, w, bias, dt_bias, A, D, 8, headdim=p, ngroups=g, rmsnorm_weight=D)
