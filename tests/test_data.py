@@ -1,5 +1,8 @@
 """The data pipeline on the real stdlib corpus, real megatron datasets and real files on disk."""
+import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -167,3 +170,31 @@ def test_two_gloo_ranks_build_one_fresh_cache_together(tmp_path):
         assert not td.rebuilt  # the ranks left a complete, verified cache
         expected = [next(td)["tokens"] for _ in range(len(got[r]["tokens"]))]
         assert [t.numpy().tobytes() for t in got[r]["tokens"]] == [t.numpy().tobytes() for t in expected]
+
+
+_RACER = """
+import json, sys, time
+from pathlib import Path
+from megatron_bitdet.train.data import build_train_data
+me, cache, sync = sys.argv[1], sys.argv[2], Path(sys.argv[3])
+(sync / f"ready_{me}").touch()
+while len(list(sync.glob("ready_*"))) < 2:  # start both builds at the same moment
+    time.sleep(0.005)
+td = build_train_data({"corpus": "python-stdlib"}, seq_length=64, seed=3, micro_batch_size=2,
+                      global_batch_size=4, dp_rank=0, dp_size=1, train_samples=64, cache_dir=cache)
+print(json.dumps({"rebuilt": td.rebuilt, "tokens": next(td)["tokens"].tolist()}))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_two_processes_racing_on_one_fresh_cache(tmp_path):
+    """Independent runs (no torch.distributed) serialize on the lock: one builds, the other reuses."""
+    sync = tmp_path / "sync"
+    sync.mkdir()
+    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(i), str(tmp_path / "cache"), str(sync)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(2)]
+    outs = [p.communicate(timeout=100) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], [err[-2000:] for _, err in outs]
+    results = [json.loads(out.strip().splitlines()[-1]) for out, _ in outs]
+    assert sorted(r["rebuilt"] for r in results) == [False, True]
+    assert results[0]["tokens"] == results[1]["tokens"]

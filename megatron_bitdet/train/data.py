@@ -47,16 +47,17 @@ class DataConfig:
     max_bytes: int = DEFAULT_MAX_BYTES
     create_attention_mask: bool = True
 
+    def __post_init__(self) -> None:
+        if self.tokenizer != "byte":
+            raise BitdetInputError(f"data.tokenizer: only 'byte' is supported, got {self.tokenizer!r}")
+
     @classmethod
     def coerce(cls, cfg) -> "DataConfig":
         """Accept a DataConfig, a mapping, or any object with the recipe's attribute names."""
         if isinstance(cfg, cls):
             return cfg
         get = cfg.get if isinstance(cfg, Mapping) else (lambda k, d: getattr(cfg, k, d))
-        out = cls(**{f.name: get(f.name, f.default) for f in fields(cls)})
-        if out.tokenizer != "byte":
-            raise BitdetInputError(f"data.tokenizer: only 'byte' is supported, got {out.tokenizer!r}")
-        return out
+        return cls(**{f.name: get(f.name, f.default) for f in fields(cls)})
 
 
 def default_cache_dir() -> Path:
