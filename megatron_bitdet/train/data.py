@@ -181,11 +181,13 @@ def build_train_data(data_cfg, *, seq_length: int, seed: int, micro_batch_size: 
                 new_index = _prepare_index_dir(corpus_dir / "index" / index_key)
                 payload = {"digest": corpus.digest, "dir": str(corpus_dir), "rebuilt": rebuilt}
             except Exception as exc:
-                _broadcast_from_rank0({"error": f"{type(exc).__name__}: {exc}"}, dist)
+                error = {"error": f"{type(exc).__name__}: {exc}", "input": isinstance(exc, BitdetInputError)}
+                _broadcast_from_rank0(error, dist)
                 raise
         payload = _broadcast_from_rank0(payload, dist)
         if "error" in payload:
-            raise BitdetError(f"rank 0 could not prepare the training data: {payload['error']}")
+            cls = BitdetInputError if payload["input"] else BitdetError
+            raise cls(f"rank 0 could not prepare the training data: {payload['error']}")
         corpus_dir = Path(payload["dir"])
         index_dir = corpus_dir / "index" / index_key
         config = GPTDatasetConfig(
