@@ -107,6 +107,9 @@ def _classify(f: RankFinding, a: dict, b: dict, hist_a: deque, hist_b: deque) ->
     if "reads_inflight" in flags:
         f.classification, f.detail = READ_ARTIFACT, "reads an async collective's output before its wait()"
         return
+    if "reads_uninit" in flags:
+        f.classification, f.detail = READ_ARTIFACT, "reads an uninitialized buffer (aten.empty* output never written)"
+        return
     if a.get("in") == b.get("in"):
         if b.get("k") == "coll" and name in _RECEIVES and not (name == "broadcast" and peer.get("src") == f.rank):
             f.classification = RECEIVER

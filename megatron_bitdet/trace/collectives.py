@@ -97,6 +97,7 @@ def _completion(tracer, name, out_tensors, peer, where, flags=()):
     def done():
         for p in ptrs:
             tracer.inflight.pop(p, None)
+            tracer.uninit.pop(p, None)
         if tracer.active:
             extra = {"flags": list(flags)} if flags else {}
             tracer.record("coll", name, where[2], tracer.fps(out_tensors), phase=where[0], scope=where[1],

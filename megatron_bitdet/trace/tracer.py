@@ -52,6 +52,7 @@ class Tracer:
         self._step = 0
         self.quiet = 0                   # >0 while the tracer itself runs torch ops (not traced)
         self.inflight: dict[int, str] = {}  # data_ptr -> async collective whose output is not waited yet
+        self.uninit: dict[int, None] = {}   # data_ptr of aten.empty* outputs not yet written
         self._writer = None
         if self.enabled:
             self._writer = TraceWriter(trace_path(run_dir, rank), {

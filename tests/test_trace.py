@@ -1,0 +1,146 @@
+"""Per-rank traces: aligned across identical runs, zero footprint when off, inputs hashed before ops."""
+import json
+import os
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from megatron_bitdet.trace import Tracer, open_trace, trace_path
+
+
+class Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1 = torch.nn.Linear(8, 16)
+        self.fc2 = torch.nn.Linear(16, 8)
+
+    def forward(self, x):
+        h = self.fc1(x)
+        h.mul_(2.0)  # in-place on a module output: hooks must cope
+        return self.fc2(torch.relu(h)) + x
+
+
+def run_model(run_dir, level, steps=(1, 2), n_steps=3, seed=0):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(Block(), Block())
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    data = torch.randn(4, 8)
+    with Tracer(run_dir, 0, 1, level=level, steps=steps) as tr:
+        tr.attach(model)
+        for step in range(1, n_steps + 1):
+            with tr.step(step):
+                with tr.phase("forward"):
+                    loss = model(data).square().mean()
+                with tr.phase("backward"):
+                    loss.backward()
+                with tr.phase("optimizer"):
+                    tr.event("params_before", dict(model.named_parameters()))
+                    opt.step()
+                    opt.zero_grad()
+                    tr.event("params_after", dict(model.named_parameters()))
+    return model
+
+
+def records(run_dir, rank=0):
+    lines = trace_path(run_dir, rank).read_text().splitlines()
+    return json.loads(lines[0]), [json.loads(x) for x in lines[1:]]
+
+
+def test_identical_runs_write_identical_traces(tmp_path):
+    for level in ("semantic", "module", "op"):
+        run_model(tmp_path / f"a_{level}", level)
+        run_model(tmp_path / f"b_{level}", level)
+        a = trace_path(tmp_path / f"a_{level}", 0).read_bytes()
+        assert a == trace_path(tmp_path / f"b_{level}", 0).read_bytes(), level
+    header, recs = records(tmp_path / "a_op")
+    assert header["level"] == "op" and header["steps"] == [1, 2]
+    assert {r["step"] for r in recs} == {1, 2}  # step 3 lies outside the window
+    phases = {r["phase"] for r in recs}
+    assert {"forward", "backward", "optimizer"} <= phases
+    scopes = {r["scope"] for r in recs if r["phase"] == "backward" and r["k"] == "op"}
+    assert {"0.fc1", "1.fc2"} <= scopes  # backward ops carry their module scope
+    ids = [(r["step"], r["phase"], r["scope"], r["name"], r["n"]) for r in recs]
+    assert len(ids) == len(set(ids))  # occurrence counts make every id unique
+
+
+def test_module_level_records_forward_and_backward(tmp_path):
+    run_model(tmp_path, "module", steps=(1, 1))
+    _, recs = records(tmp_path)
+    fwd = [r for r in recs if r["k"] == "module" and r["name"] == "forward"]
+    assert [r["scope"] for r in fwd] == ["0.fc1", "0.fc2", "0", "1.fc1", "1.fc2", "1", "model"]
+    bwd = {r["scope"] for r in recs if r["k"] == "module" and r["name"] == "backward"}
+    assert {"1.fc2", "0.fc1"} <= bwd
+    assert all(r["in"] and r["out"] for r in fwd)
+
+
+def test_inputs_are_fingerprinted_before_inplace_ops(tmp_path):
+    x = torch.ones(4)
+    with Tracer(tmp_path, 0, 1, level="op", steps=(1, 1)) as tr:
+        with tr.step(1):
+            x.add_(1.0)
+    _, recs = records(tmp_path)
+    (rec,) = [r for r in recs if r["name"] == "aten.add_.Tensor"]
+    assert rec["in"][0] != rec["out"][0]
+
+
+def test_tracing_off_installs_nothing(tmp_path):
+    model = torch.nn.Linear(2, 2)
+    orig = dist.all_reduce
+    tr = Tracer(tmp_path, 0, 1, level="op", steps=(5, 6))
+    tr.attach(model)
+    with tr.step(1):
+        assert not model._forward_pre_hooks and not model._forward_hooks
+        assert dist.all_reduce is orig and torch._C._len_torch_dispatch_stack() == 0
+        model(torch.ones(2))
+    with tr.step(5):
+        assert model._forward_pre_hooks and dist.all_reduce is not orig
+    assert not model._forward_pre_hooks and dist.all_reduce is orig
+    tr.close()
+    _, recs = records(tmp_path)
+    assert {r["step"] for r in recs} == {5} or recs == []
+    other = Tracer(tmp_path / "other", 3, 4, level="op", ranks={0, 1})
+    assert not other.enabled and not (tmp_path / "other").exists()
+
+
+def test_truncated_final_record_is_detected(tmp_path):
+    run_model(tmp_path, "semantic")
+    path = trace_path(tmp_path, 0)
+    path.write_bytes(path.read_bytes()[:-20])
+    t = open_trace(path)
+    n = sum(1 for _ in t.lines())
+    assert t.truncated and n == len(path.read_text().splitlines()) - 2
+
+
+def _dist_worker(rank, run_dir, rdzv):
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=2)
+    with Tracer(run_dir, rank, 2, level="op", steps=(1, 1)) as tr:
+        with tr.step(1):
+            t = torch.arange(4.0) + rank
+            dist.all_reduce(t)
+            work = dist.all_reduce(t * 2, async_op=True)
+            work.wait()
+            out = torch.empty(8)
+            dist.all_gather_into_tensor(out, t)
+            tr.event("after", [t, out])
+    dist.destroy_process_group()
+
+
+def run_dist(run_dir, tmp):
+    mp.spawn(_dist_worker, args=(str(run_dir), str(tmp / f"rdzv_{os.path.basename(run_dir)}")), nprocs=2)
+
+
+def test_two_rank_gloo_traces_align_and_name_peers(tmp_path):
+    run_dist(tmp_path / "a", tmp_path)
+    run_dist(tmp_path / "b", tmp_path)
+    for rank in (0, 1):
+        assert trace_path(tmp_path / "a", rank).read_bytes() == trace_path(tmp_path / "b", rank).read_bytes()
+        _, recs = records(tmp_path / "a", rank)
+        colls = [r for r in recs if r["k"] == "coll"]
+        assert [r["name"] for r in colls] == ["all_reduce", "all_reduce", "all_gather_into_tensor"]
+        assert all(r["peer"]["group"] == [0, 1] for r in colls)
+        assert colls[0]["in"] != colls[0]["out"]  # input hashed before the reduction, output after
+        assert not any(r["name"].startswith("c10d") for r in recs)
+    _, r0 = records(tmp_path / "a", 0)
+    _, r1 = records(tmp_path / "a", 1)
+    assert [r for r in r0 if r["k"] == "coll"][0]["out"] == [r for r in r1 if r["k"] == "coll"][0]["out"]
