@@ -184,10 +184,7 @@ def _rank_files(run_dir) -> dict[int, Path]:
     d = trace_dir(run_dir)
     if not d.is_dir():
         raise BitdetInputError(f"{run_dir}: no traces/ directory (rerun with tracing on)")
-    files = {int(m.group(1)): p for p in d.iterdir() if (m := _RANK_FILE.search(p.name))}
-    if not files:
-        raise BitdetInputError(f"{d}: no rank_XXXXX.trace.jsonl files")
-    return files
+    return {int(m.group(1)): p for p in d.iterdir() if (m := _RANK_FILE.search(p.name))}
 
 
 def _check_headers(run_a, run_b, ranks: list[int]) -> list[str]:
@@ -249,6 +246,8 @@ def localize_traces(run_a, run_b, config: LocalizeConfig = LocalizeConfig()) -> 
             raise BitdetInputError(f"{trace_path(run, min(missing))}: trace file missing "
                                    f"(present in {present[min(missing)].parent})")
     ranks = sorted(fa)
+    if not ranks:
+        raise BitdetInputError(f"{trace_dir(run_a)}: no rank_XXXXX.trace.jsonl files")
     warnings = _check_headers(run_a, run_b, ranks)
     jobs = [(r, fa[r], fb[r], config.history) for r in ranks]
     workers = min(config.workers or os.cpu_count() or 1, len(jobs))
