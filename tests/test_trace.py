@@ -144,3 +144,19 @@ def test_two_rank_gloo_traces_align_and_name_peers(tmp_path):
     _, r0 = records(tmp_path / "a", 0)
     _, r1 = records(tmp_path / "a", 1)
     assert [r for r in r0 if r["k"] == "coll"][0]["out"] == [r for r in r1 if r["k"] == "coll"][0]["out"]
+
+
+def test_view_digests_are_exact_without_copies():
+    from megatron_bitdet.trace.digest import digest
+
+    base = torch.randn(6, 4)
+    bumped = base.clone()
+    bumped[5, 3] += 1
+    assert digest(base.t(), "fast") == digest(base.clone().t(), "fast")
+    assert digest(base.t(), "fast") != digest(bumped.t(), "fast")  # transposed: hashed in memory order
+    col = torch.randn(4, 1)
+    col2 = col.clone()
+    col2[3] = -col2[3]
+    assert digest(col.expand(4, 100), "fast") != digest(col2.expand(4, 100), "fast")  # broadcast: once
+    assert digest(base[:, :2], "fast") != digest(bumped[:, 1:3], "fast")  # strided slice: copied
+    assert digest(base[:, 3], "fast") != digest(bumped[:, 3], "fast")

@@ -42,10 +42,29 @@ def digest(t: torch.Tensor, mode: str):
     if mode == "xor":
         return p + hex64(torch.hash_tensor(_int_view(t.detach())).item())
     if t.device.type == "cpu":
-        if not t.is_contiguous() or t.is_conj() or t.is_neg():
-            t = t.detach().resolve_conj().resolve_neg().contiguous()
-        return p + f"{xxhash.xxh3_64_intdigest(_host_buffer(t)):016x}"
+        t, layout = _dense_view(t)
+        return p + layout + f"{xxhash.xxh3_64_intdigest(_host_buffer(t)):016x}"
     return (p, pos_digest_tensor(t))
+
+
+def _dense_view(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """A tensor whose memory span holds exactly its values, plus a layout tag when not contiguous.
+
+    Broadcast (stride-0) dims are hashed once, permuted dense layouts (transposes) in memory order:
+    both are exact and avoid materialising a copy; anything else with gaps is made contiguous.
+    """
+    if t.is_conj() or t.is_neg():
+        t = t.resolve_conj().resolve_neg()
+    if t.is_contiguous():
+        return t, ""
+    if 0 in t.stride():
+        t = t.as_strided([1 if st == 0 else sz for sz, st in zip(t.shape, t.stride())], t.stride())
+    expected = 1
+    for st, sz in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+        if st != expected:
+            return t.contiguous(), ""
+        expected *= sz
+    return t, f"s{','.join(map(str, t.stride()))}:"
 
 
 def resolve(items: list) -> None:
