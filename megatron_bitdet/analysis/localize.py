@@ -142,14 +142,65 @@ def _classify(f: RankFinding, a: dict, b: dict, hist_a: deque, hist_b: deque) ->
                     + (f"; last traced producer: {event_id(src)}" if src else ""))
 
 
+_CHUNK = 1 << 20
+
+
+def _equal_prefix(path_a: Path, path_b: Path, max_chunks: int):
+    """Skip the byte-identical prefix of two traces a chunk at a time (no per-line work).
+
+    Returns the offsets (in A and B) of the first line that differs, the number of whole lines
+    before it, and the last identical chunks (for looking up producers).
+    """
+    hist: deque = deque(maxlen=max_chunks)
+    lines = done = 0
+    with open(path_a, "rb") as fa, open(path_b, "rb") as fb:
+        head_a, head_b = len(fa.readline()), len(fb.readline())
+        carry = 0  # bytes of the current (unfinished) line in earlier chunks
+        while True:
+            ca, cb = fa.read(_CHUNK), fb.read(_CHUNK)
+            if ca == cb:
+                if not ca:
+                    break
+                hist.append(ca)
+                lines += ca.count(b"\n")
+                k = ca.rfind(b"\n")
+                carry = len(ca) - k - 1 if k >= 0 else carry + len(ca)
+                done += len(ca)
+                continue
+            i = next((j for j in range(0, min(len(ca), len(cb)), 4096) if ca[j:j + 4096] != cb[j:j + 4096]),
+                     min(len(ca), len(cb)))
+            i = next((j for j in range(i, min(len(ca), len(cb), i + 4096)) if ca[j] != cb[j]), min(len(ca), len(cb)))
+            k = ca.rfind(b"\n", 0, i)
+            if k >= 0:
+                hist.append(ca[:k + 1])
+                lines += ca.count(b"\n", 0, k + 1)
+                done, carry = done + k + 1, 0
+            break
+    start = done - carry
+    return head_a + start, head_b + start, lines, hist
+
+
+def _history(path: Path, chunks: deque, last_line: int) -> deque:
+    """(path, line number, raw line) for the whole lines held in the identical chunks."""
+    raw = b"".join(chunks)
+    lines = raw.split(b"\n")[:-1]
+    first = last_line - len(lines) + 1
+    if lines and not raw.startswith(b'{"step":'):
+        lines, first = lines[1:], first + 1  # the oldest chunk starts mid-line
+    return deque((path, first + n, line + b"\n") for n, line in enumerate(lines))
+
+
 def compare_rank(job: tuple) -> RankFinding:
     """First mismatch of one rank, in that rank's own execution order."""
     rank, path_a, path_b, history = job
     ta, tb = open_trace(path_a), open_trace(path_b)
     f = RankFinding(rank=rank, events=0)
-    hist_a: deque = deque(maxlen=history)
-    hist_b: deque = deque(maxlen=history)
-    it_a, it_b = ta.lines(), tb.lines()
+    off_a, off_b, skipped, chunks = _equal_prefix(ta.path, tb.path, max(2, history * 256 // _CHUNK))
+    f.events = skipped
+    hist_a = _history(ta.path, chunks, skipped + 1)
+    hist_b = deque(((tb.path, n, r) for _, n, r in hist_a), maxlen=history)
+    hist_a = deque(hist_a, maxlen=history)
+    it_a, it_b = ta.lines(off_a, skipped + 1), tb.lines(off_b, skipped + 1)
     for (la, ra), (lb, rb) in zip(it_a, it_b):
         f.events += 1
         if ra == rb:

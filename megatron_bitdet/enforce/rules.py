@@ -75,7 +75,7 @@ RULES = (
          "TE / cuDNN-frontend grouped MLP backward adds each N-subtile's partial dprob into dprob[token] "
          "with a float atomic add",
          "set model.moe.expert_impl: grouped (bitdet private-slot grouped GEMM) or sequential",
-         swap="grouped_gemm"),
+         swap="grouped_gemm_dprob"),
     Rule("triton_autotune",
          lambda r, f: _flag(f.has("triton") and f.env.get("BITDET_TRITON_AUTOTUNE") != "pinned",
                             f"BITDET_TRITON_AUTOTUNE={f.env.get('BITDET_TRITON_AUTOTUNE')!r} with Triton installed"),
@@ -108,7 +108,7 @@ RULES = (
          "Mamba-2 backward kernels (chunk-scan dC/dx/ddA, chunk-state dx/dB/ddA, combined dx) use atomic adds "
          "and an autotuned block size",
          "install a mamba-ssm whose kernels honour MAMBA_DETERMINISTIC",
-         swap="mamba_ssd"),
+         swap="ssd_scan"),
     Rule("te_attention_nondeterministic",
          lambda r, f: _flag(_te_attention(r, f) and f.env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") != "0",
                             f"TE attention with NVTE_ALLOW_NONDETERMINISTIC_ALGO="

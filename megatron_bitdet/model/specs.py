@@ -1,7 +1,8 @@
 """Layer specs for the hybrid Nemotron stack: what is built is data (megatron ModuleSpec).
 
-``local``: pure torch, runs anywhere (CPU included); Mamba kernels are bitdet's deterministic
-pure-torch implementations (swapped in by the patches). ``te``: Transformer Engine's fused layers
+``local``: pure torch, runs anywhere (CPU included); Mamba kernels, the final norm and (with
+``expert_impl: grouped``) the experts are bitdet's, swapped in by ``patches/`` before the spec is
+built. ``te``: Transformer Engine's fused layers
 (megatron's own ``mamba_stack_spec``), used when TE imports.
 """
 from __future__ import annotations
@@ -37,23 +38,14 @@ def te_available() -> bool:
     return True
 
 
-def _moe_spec(num_experts: int, expert_impl: str) -> ModuleSpec:
-    spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts)
-    if expert_impl == "grouped":
-        from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP
-
-        spec.submodules.experts = ModuleSpec(module=GroupedProbMLP, submodules=spec.submodules.experts.submodules)
-    return spec
-
-
-def local_stack_spec(*, num_experts: int = 0, expert_impl: str = "sequential") -> ModuleSpec:
+def local_stack_spec(*, num_experts: int = 0, mamba_params=None) -> ModuleSpec:
     """The pure-torch hybrid stack: Mamba-2, attention, MLP and MoE layers."""
     moe_layer = None
     if num_experts:
         moe_layer = ModuleSpec(
             module=MoETransformerLayer,
             submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=LocalNorm, mlp=_moe_spec(num_experts, expert_impl), mlp_bda=get_bias_dropout_add
+                pre_mlp_layernorm=LocalNorm, mlp=get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts), mlp_bda=get_bias_dropout_add
             ),
         )
     return ModuleSpec(
@@ -65,6 +57,7 @@ def local_stack_spec(*, num_experts: int = 0, expert_impl: str = "sequential") -
                     norm=LocalNorm,
                     mixer=ModuleSpec(
                         module=MambaMixer,
+                        params=dict(mamba_params or {}),
                         submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
                     ),
                     mamba_bda=get_bias_dropout_add,
@@ -102,8 +95,12 @@ def local_stack_spec(*, num_experts: int = 0, expert_impl: str = "sequential") -
     )
 
 
-def te_stack_spec(*, num_experts: int = 0, expert_impl: str = "sequential") -> ModuleSpec:
+def te_stack_spec(*, num_experts: int = 0, mamba_params=None) -> ModuleSpec:
     """megatron-core's TE hybrid spec (fused norm+linear, TE attention, TE grouped GEMM experts)."""
+    import copy
+
     from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 
-    return mamba_stack_spec
+    spec = copy.deepcopy(mamba_stack_spec)
+    spec.submodules.mamba_layer.submodules.mixer.params = dict(mamba_params or {})
+    return spec

@@ -36,3 +36,7 @@ __all__ = [
     "revert_patches",
     "split_symbol",
 ]
+
+from megatron_bitdet.patching.select import apply_for, declared_ids, select_patches  # noqa: E402
+
+__all__ += ["apply_for", "declared_ids", "select_patches"]

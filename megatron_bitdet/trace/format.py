@@ -58,12 +58,15 @@ class TraceFile:
     path: Path
     header: dict
 
-    def lines(self):
-        """Raw record lines; a truncated last line is dropped (see `truncated`), a torn middle line raises."""
+    def lines(self, offset: int | None = None, line_no: int = 1):
+        """Raw record lines after the header (or from byte `offset`, whose line is `line_no` + 1);
+        a truncated last line is dropped and flagged in `truncated`."""
         self.truncated = False
         with open(self.path, "rb") as f:
-            f.readline()
-            line_no = 1
+            if offset is None:
+                f.readline()
+            else:
+                f.seek(offset)
             for raw in f:
                 line_no += 1
                 if not raw.endswith(b"\n"):

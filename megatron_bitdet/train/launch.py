@@ -73,6 +73,9 @@ def run_rank(worker_path: str, args, backend: str | None = None) -> int:
     backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
     if backend == "nccl":
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    before = getattr(fn, "before_process_group", None)
+    if before is not None:  # e.g. determinism enforcement: must precede communicator creation
+        before(rank, world, **args) if isinstance(args, dict) else before(rank, world, *args)
     dist.init_process_group(backend, rank=rank, world_size=world)
     result = fn(rank, world, **args) if isinstance(args, dict) else fn(rank, world, *args)
     # Teardown only on success: destroying the group while raising would make the peers fail
@@ -91,7 +94,7 @@ def _free_port() -> int:
 class _Rank:
     """One child process plus the threads that copy its output to the log, console and stderr tail."""
 
-    def __init__(self, rank: int, cmd: list[str], env: dict, log_path: Path | None) -> None:
+    def __init__(self, rank: int, cmd: list[str], env: dict, log_path: Path | None, console: bool) -> None:
         self.rank = rank
         self.tail = collections.deque(maxlen=TAIL_LINES)
         self.log = open(log_path, "wb") if log_path else None
@@ -99,8 +102,8 @@ class _Rank:
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                      stdin=subprocess.DEVNULL, start_new_session=True)
         self.pumps = [threading.Thread(target=self._pump, args=(s, c, t), daemon=True) for s, c, t in (
-            (self.proc.stdout, sys.stdout if rank == 0 else None, False),
-            (self.proc.stderr, sys.stderr if rank == 0 else None, True))]
+            (self.proc.stdout, sys.stdout if console else None, False),
+            (self.proc.stderr, sys.stderr if console else None, True))]
         for t in self.pumps:
             t.start()
 
@@ -140,7 +143,7 @@ def _describe(rc: int) -> str:
     return f"exit code {rc}"
 
 
-def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env) -> int:
+def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank) -> int:
     try:
         args_json = json.dumps(args)
     except TypeError as exc:
@@ -156,7 +159,7 @@ def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env) -> int:
     try:
         for r in range(nproc):
             rank = _Rank(r, cmd, {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         log_dir / f"rank_{r:05d}.log" if log_dir else None)
+                         log_dir / f"rank_{r:05d}.log" if log_dir else None, console=r == console_rank % nproc)
             ranks.append(rank)
             threading.Thread(target=lambda k=rank: exits.put((k, k.proc.wait())), daemon=True).start()
         for _ in range(nproc):  # exit order as it happens: the first failure is the culprit
@@ -191,11 +194,13 @@ def _report(rank: _Rank, rc: int, nproc: int, log_dir: Path | None) -> None:
 
 
 def launch(worker_fn_path: str, nproc: int, args, *, backend: str | None = None,
-           run_dir: str | os.PathLike | None = None, env: dict | None = None) -> int:
+           run_dir: str | os.PathLike | None = None, env: dict | None = None, console_rank: int = 0) -> int:
     """Run ``worker_fn_path`` on ``nproc`` ranks; 0 when every rank succeeded, else the failing rank's code.
 
     ``args`` (dict -> keyword arguments, list -> positional) must be JSON-serializable.
     ``env`` is added to the children's environment before their interpreter starts.
+    ``console_rank`` is the rank streamed to this console (-1: the last, which holds the loss
+    under pipeline parallelism).
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise BitdetInputError(f"nproc must be a positive integer, got {nproc!r}")
@@ -205,7 +210,7 @@ def launch(worker_fn_path: str, nproc: int, args, *, backend: str | None = None,
             raise BitdetInputError(f"torchrun started {world} processes but this run needs {nproc}")
         os.environ.update(env or {})
         return run_rank(worker_fn_path, args, backend)
-    return _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env)
+    return _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank)
 
 
 def _child_main(argv: list[str]) -> int:

@@ -1,0 +1,119 @@
+"""`bitdet train`: pretrain the hybrid Nemotron on megatron-core with per-step fingerprints."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+EXAMPLES = """examples:
+  bitdet train --recipe recipes/nemotron_h_tiny.yaml --deterministic-mode --nproc 2 --run-dir runs/a
+  bitdet train --recipe recipes/nemotron_h_tiny.yaml --nproc 2 --run-dir runs/a --save-interval 4
+  bitdet train --recipe recipes/nemotron_h_tiny.yaml --nproc 2 --run-dir runs/b --load runs/a/checkpoints
+  bitdet train --recipe R --nproc 2 --run-dir runs/c --model-provider my_models:provider parallel.tensor=2
+  torchrun --nproc-per-node 8 -m megatron_bitdet train --recipe R --nproc 8 --run-dir runs/gpu   # GPU cluster
+
+run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, checkpoints/iter_N/, logs/rank_XXXXX.log"""
+
+
+def add_run_args(p) -> None:
+    """Arguments shared by every command that trains (train, verify-resume, prove, tax)."""
+    p.add_argument("--recipe", required=True, metavar="YAML", help="bitdet recipe")
+    p.add_argument("--nproc", type=int, default=2, help="ranks on this machine (default 2)")
+    p.add_argument("--deterministic-mode", action="store_true",
+                   help="force determinism.mode=true (the recipe's default); determinism.mode=false runs the baseline")
+    p.add_argument("--model-provider", metavar="MODULE:FUNC",
+                   help="custom builder with the default's signature (recipe, config, *, pre_process, post_process)")
+    p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. training.iterations=4")
+
+
+def register(subparsers, summary):
+    p = subparsers.add_parser("train", help=summary, description=__doc__, epilog=EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_run_args(p)
+    p.add_argument("--run-dir", required=True, help="where manifest, fingerprints, checkpoints and logs go")
+    p.add_argument("--save", metavar="DIR", help="checkpoint root (default RUN_DIR/checkpoints)")
+    p.add_argument("--save-interval", type=int, default=None, help="save every K iterations")
+    p.add_argument("--load", metavar="DIR", help="resume from a checkpoint root (its 'latest') or one iter_N dir")
+    p.add_argument("--stop-at", type=int, metavar="K", help="stop after iteration K (simulates an interruption)")
+    p.set_defaults(func=run)
+
+
+def load_run_recipe(args):
+    from megatron_bitdet.recipe import load_recipe
+
+    overrides = list(args.overrides)
+    if args.deterministic_mode:
+        overrides.append("determinism.mode=true")
+    return load_recipe(args.recipe, overrides)
+
+
+def check_layout(recipe, nproc: int) -> None:
+    from megatron_bitdet.errors import BitdetInputError
+
+    p = recipe.parallel
+    model_parallel = p.tensor * p.pipeline * p.context
+    if nproc % model_parallel:
+        raise BitdetInputError(f"--nproc {nproc} is not divisible by tensor x pipeline x context = {model_parallel}")
+    if recipe.model.moe.num_experts:
+        expert_parallel = p.expert * p.expert_tensor * p.pipeline
+        if nproc % expert_parallel:
+            raise BitdetInputError(
+                f"--nproc {nproc} is not divisible by expert x expert_tensor x pipeline = {expert_parallel}"
+            )
+        if recipe.model.moe.num_experts % p.expert:
+            raise BitdetInputError(f"model.moe.num_experts={recipe.model.moe.num_experts} is not divisible by "
+                                   f"parallel.expert={p.expert}")
+    dp = nproc // model_parallel
+    t = recipe.training
+    if t.global_batch_size % (t.micro_batch_size * dp):
+        raise BitdetInputError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
+                               f"micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
+
+
+def child_env(recipe) -> dict:
+    """The canonical determinism environment, validated here and handed to every rank before its
+    interpreter starts (NCCL, cuBLAS and TE read these at first use)."""
+    from megatron_bitdet.enforce import plan
+    from megatron_bitdet.enforce.env import effective_env
+    from megatron_bitdet.errors import DeterminismViolation
+
+    env = {"PYTHONUNBUFFERED": "1"}
+    if sys.stdout.isatty():
+        env["BITDET_INTERACTIVE"] = "1"
+    if not recipe.determinism.mode:
+        return env
+    settings, _, violations, _ = plan(recipe, late=False)
+    if violations:
+        raise DeterminismViolation(violations)
+    env.update(effective_env(settings))
+    return env
+
+
+def launch_training(recipe, *, nproc: int, run_dir, save=None, save_interval=None, load=None,
+                    model_provider=None, stop_at=None, argv=None) -> int:
+    """Train ``recipe`` on ``nproc`` local ranks (or join torchrun); returns the exit code."""
+    from megatron_bitdet.train.launch import launch
+
+    check_layout(recipe, nproc)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    interval = recipe.checkpoint.save_interval if save_interval is None else save_interval
+    args = {
+        "recipe": recipe.to_dict(), "run_dir": str(run_dir), "save": save, "save_interval": interval,
+        "load": load, "model_provider": model_provider, "stop_at": stop_at, "argv": argv,
+    }
+    return launch("megatron_bitdet.train.worker:worker", nproc, args, run_dir=run_dir, env=child_env(recipe),
+                  console_rank=-1)
+
+
+def run(args) -> int:
+    recipe = load_run_recipe(args)
+    if args.model_provider:
+        from megatron_bitdet.model.builder import load_model_provider
+
+        sys.path.insert(0, os.getcwd())
+        load_model_provider(args.model_provider)  # fail here, before any rank starts
+    return launch_training(
+        recipe, nproc=args.nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval,
+        load=args.load, model_provider=args.model_provider, stop_at=args.stop_at, argv=sys.argv,
+    )

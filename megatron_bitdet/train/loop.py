@@ -1,0 +1,105 @@
+"""The pretraining loop on megatron-core: one function per rank (``worker``), launched by
+``train.launch``. Every step appends a fingerprint line; checkpoints save the full state."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from functools import partial
+from pathlib import Path
+
+import torch
+
+from megatron_bitdet.train.console import Console
+from megatron_bitdet.train.step_fingerprints import StepFingerprintWriter, buffer_digest
+
+
+def _loss_func(loss_mask, output_tensor):
+    """Megatron's masked LM loss: (sum, tokens, report) so schedules divide by the token count."""
+    losses = output_tensor.float().view(-1)
+    mask = loss_mask.view(-1).float()
+    loss = torch.sum(losses * mask)
+    num_tokens = mask.sum().to(torch.int)
+    return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.detach().float()])}
+
+
+def _forward_step(data_iterator, model):
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
+    return output, partial(_loss_func, batch["loss_mask"])
+
+
+def _moe_aux_losses(num_microbatches: int) -> dict:
+    """This rank's per-layer load-balancing losses from megatron's tracker (then cleared)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    out = {}
+    for name, entry in get_moe_layer_wise_logging_tracker().items():
+        values = entry["values"] / num_microbatches
+        for layer, v in enumerate(values):
+            if v != 0:
+                out[f"{name}/layer_{layer + 1:02d}"] = v.to(torch.float32)
+    clear_aux_losses_tracker()
+    return out
+
+
+def _lm_loss(losses_reduced):
+    """DP-averaged LM loss, as Megatron reports it (None off the last pipeline stage)."""
+    from megatron.core import parallel_state as ps
+
+    if not losses_reduced:
+        return None
+    total = torch.stack([x["lm loss"] for x in losses_reduced]).sum(dim=0)
+    torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    return total[0] / total[1]
+
+
+def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root, save_interval: int,
+                manifest: dict, console: Console, tracer=None) -> None:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_bitdet.train import checkpoint
+
+    recipe, rank = state.recipe, torch.distributed.get_rank()
+    moe_coeff = recipe.model.moe.aux_loss_coeff
+    forward_backward = get_forward_backward_func()
+    writer = StepFingerprintWriter(run_dir, rank)
+    model = state.ddp_modules
+    try:
+        for step in range(start + 1, stop + 1):
+            t0 = time.perf_counter()
+            for m in model:
+                m.zero_grad_buffer()
+            state.optimizer.zero_grad()
+            losses = forward_backward(
+                forward_step_func=_forward_step, data_iterator=data, model=model,
+                num_microbatches=data.num_microbatches, seq_length=recipe.model.seq_length,
+                micro_batch_size=recipe.training.micro_batch_size, forward_only=False,
+            )
+            grads_digest = buffer_digest(model, "grad_data")
+            ok, grad_norm, _ = state.optimizer.step()
+            lr = state.optimizer.param_groups[0]["lr"]
+            state.scheduler.step(increment=1)
+            elapsed = time.perf_counter() - t0
+            lm_loss = _lm_loss(losses)
+            aux = _moe_aux_losses(data.num_microbatches)
+            aux_total = sum(aux.values()) * moe_coeff if aux else None
+            metrics = {
+                "loss": None if lm_loss is None else (lm_loss + aux_total if aux_total is not None else lm_loss),
+                "lm_loss": lm_loss,
+                "aux_loss": aux_total,
+                **{f"aux_loss/{k}": v for k, v in aux.items()},
+                "grad_norm": None if grad_norm is None else float(grad_norm),
+                "lr": float(lr),
+            }
+            writer.write(step, metrics, {"params": buffer_digest(model, "param_data"), "grads": grads_digest})
+            console.step(step, stop, elapsed_ms=elapsed * 1000, lr=lr, lm_loss=lm_loss, aux=aux_total,
+                         grad_norm=grad_norm, consumed=data.consumed_samples, skipped=0 if ok else 1)
+            if save_root and save_interval and step % save_interval == 0:
+                checkpoint.save_checkpoint(
+                    save_root, step, ddp_modules=model, optimizer=state.optimizer, scheduler=state.scheduler,
+                    rank_state={"rng": checkpoint.capture_rng(), "data": data.state_dict()}, manifest=manifest,
+                )
+                console.note(f"saved checkpoint iteration {step} to {save_root}")
+    finally:
+        writer.close()

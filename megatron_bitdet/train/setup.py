@@ -1,0 +1,103 @@
+"""Everything before the first step, in the order determinism needs: enforcement, CPU seams,
+patches, parallel state, seeds, model, DDP, optimizer, scheduler."""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class TrainState:
+    recipe: object
+    config: object
+    ddp_modules: list
+    optimizer: object
+    scheduler: object
+    enforcement: object
+    patches: list
+    cpu_seams: list
+
+
+def set_seeds(seed: int) -> None:
+    """Megatron-LM's scheme: one seed per pipeline stage, then megatron's TP / EP / DP tracker streams."""
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    seed = seed + 100 * ps.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    model_parallel_cuda_manual_seed(seed)
+
+
+def init_parallel(recipe) -> None:
+    from megatron.core import parallel_state as ps
+
+    p = recipe.parallel
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=p.tensor,
+        pipeline_model_parallel_size=p.pipeline,
+        context_parallel_size=p.context,
+        expert_model_parallel_size=p.expert,
+        expert_tensor_parallel_size=p.expert_tensor,
+    )
+
+
+def build_model(recipe, config, provider) -> list:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    model = provider(
+        recipe, config,
+        pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
+    )
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=False,
+        use_distributed_optimizer=recipe.parallel.distributed_optimizer,
+    )
+    return [DistributedDataParallel(config, ddp_config, model)]
+
+
+def build_optimizer(recipe, config, ddp_modules):
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    o, t = recipe.training.optimizer, recipe.training
+    opt_config = OptimizerConfig(
+        optimizer=o.name, lr=o.lr, min_lr=o.min_lr, weight_decay=o.weight_decay,
+        adam_beta1=o.beta1, adam_beta2=o.beta2, adam_eps=o.eps, clip_grad=o.clip_grad,
+        bf16=config.bf16, fp16=config.fp16, params_dtype=config.params_dtype,
+        use_distributed_optimizer=recipe.parallel.distributed_optimizer,
+    )
+    optimizer = get_megatron_optimizer(opt_config, ddp_modules)
+    scheduler = OptimizerParamScheduler(
+        optimizer, init_lr=0.0 if t.lr_schedule.warmup_iters else o.lr, max_lr=o.lr, min_lr=o.min_lr,
+        lr_warmup_steps=t.lr_schedule.warmup_iters, lr_decay_steps=t.iterations, lr_decay_style=t.lr_schedule.style,
+        start_wd=o.weight_decay, end_wd=o.weight_decay, wd_incr_steps=t.iterations, wd_incr_style="constant",
+    )
+    return optimizer, scheduler
+
+
+def setup(recipe, enforcement, *, provider) -> TrainState:
+    """Order matters: CPU seams before megatron modules that import GPU packages, patches before the
+    spec is built, parallel state and seeds before the model."""
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_bitdet import cpu_backend, patching
+    from megatron_bitdet.model.builder import resolve_spec_family, transformer_config
+
+    seams = cpu_backend.install()
+    patches = patching.apply_for(recipe, family=resolve_spec_family(recipe), swaps=enforcement.rules.swaps)
+    init_parallel(recipe)
+    set_seeds(recipe.training.seed)
+    config = transformer_config(recipe)
+    ddp_modules = build_model(recipe, config, provider)
+    optimizer, scheduler = build_optimizer(recipe, config, ddp_modules)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = ddp_modules[0].no_sync
+    return TrainState(recipe, config, ddp_modules, optimizer, scheduler, enforcement, patches, seams)

@@ -1,0 +1,50 @@
+"""Per-step fingerprints: one flushed JSON line per step per rank (format in docs/DESIGN.md)."""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+from megatron_bitdet.fingerprint import encode_float
+from megatron_bitdet.fingerprint.tensor import state_digest
+
+FORMAT_VERSION = 1
+
+
+def fingerprint_path(run_dir, rank: int) -> Path:
+    return Path(run_dir) / "fingerprints" / f"rank_{rank:05d}.jsonl"
+
+
+class StepFingerprintWriter:
+    """Appends whole lines only; each is flushed and fsync'd so a crash loses at most the step in flight."""
+
+    def __init__(self, run_dir, rank: int):
+        path = fingerprint_path(run_dir, rank)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        self.rank = rank
+        self._f = open(path, "a", encoding="utf-8")
+
+    def write(self, step: int, metrics: dict, digests: dict) -> None:
+        line = {
+            "v": FORMAT_VERSION,
+            "step": step,
+            "rank": self.rank,
+            "metrics": {k: encode_float(v) for k, v in metrics.items() if v is not None},
+            "digests": digests,
+        }
+        self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
+        self._f.flush()
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def buffer_digest(ddp_modules, attr: str) -> str:
+    """Digest of megatron DDP's contiguous ``param_data`` or ``grad_data`` buffers on this rank: one
+    hash over a few large tensors, negligible next to a step."""
+    tensors = []
+    for m in ddp_modules:
+        for i, buf in enumerate(list(m.buffers) + list(m.expert_parallel_buffers)):
+            tensors.append((f"buf{i}", getattr(buf, attr)))
+    return state_digest(tensors)

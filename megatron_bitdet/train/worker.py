@@ -1,0 +1,94 @@
+"""One rank of ``bitdet train``: enforce, set up, optionally resume, run the steps, clean up."""
+from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from pathlib import Path
+
+import torch
+
+from megatron_bitdet.train.console import Console
+
+# Known, understood noise from megatron-core on this stack (GPU extras absent by design).
+_QUIET = [
+    (UserWarning, r"(Transformer Engine|Apex) (and Apex are|is) not installed"),
+    (UserWarning, r"full scope is deprecated"),
+    (UserWarning, r"The \.grad attribute of a Tensor that is not a leaf"),
+    (FutureWarning, r"`torch\.distributed\.(all_gather_into_tensor|reduce_scatter_tensor)` is deprecated"),
+]
+_ENFORCEMENT = {}
+
+
+def enforce(rank: int, world_size: int, *, recipe: dict, **_unused) -> None:
+    """Runs before the process group exists (the launcher's ``before_process_group`` hook), so a
+    late application is impossible by construction."""
+    from megatron_bitdet.enforce import enable
+    from megatron_bitdet.patching import declared_ids
+    from megatron_bitdet.recipe import Recipe
+
+    for category, message in _QUIET:
+        warnings.filterwarnings("ignore", message=message, category=category)
+    logging.getLogger("megatron.core.ssm.mamba_mixer").setLevel(logging.ERROR)
+    recipe = Recipe.from_dict(recipe, source="<run recipe>")
+    enforcement = enable(recipe, rank=rank, world_size=world_size, available_swaps=declared_ids())
+    for warning in enforcement.warnings:
+        print(f"[bitdet] warning: {warning}", file=sys.stderr, flush=True)
+    _ENFORCEMENT.update(recipe=recipe, enforcement=enforcement)
+
+
+def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str | None = None,
+           save_interval: int = 0, load: str | None = None, model_provider: str | None = None,
+           stop_at: int | None = None, argv: list | None = None) -> int:
+    from megatron.core import parallel_state as ps
+
+    from megatron_bitdet.enforce import build_manifest, write_manifest
+    from megatron_bitdet.model.builder import load_model_provider
+    from megatron_bitdet.train import checkpoint
+    from megatron_bitdet.train.data import build_train_data
+    from megatron_bitdet.train.loop import train_steps
+    from megatron_bitdet.train.setup import setup
+
+    if not _ENFORCEMENT:
+        enforce(rank, world_size, recipe=recipe)
+    recipe, enforcement = _ENFORCEMENT["recipe"], _ENFORCEMENT["enforcement"]
+    provider = load_model_provider(model_provider)
+    state = setup(recipe, enforcement, provider=provider)
+    run_dir = Path(run_dir)
+    manifest = build_manifest(
+        recipe, enforcement, world_size=world_size, argv=argv,
+        extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams, "model_provider": model_provider},
+    )
+    if rank == 0:
+        write_manifest(run_dir, manifest)
+    t = recipe.training
+    dp_size = ps.get_data_parallel_world_size()
+    data = build_train_data(
+        recipe.data, seq_length=recipe.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, dp_rank=ps.get_data_parallel_rank(), dp_size=dp_size,
+        train_samples=t.iterations * t.global_batch_size,
+    )
+    console = Console(active=rank == world_size - 1, total=t.iterations)
+    start = 0
+    if load:
+        start, rank_state = checkpoint.load_checkpoint(
+            load, ddp_modules=state.ddp_modules, optimizer=state.optimizer, scheduler=state.scheduler,
+            world_size=world_size,
+        )
+        checkpoint.restore_rng(rank_state["rng"])
+        data.load_state_dict(rank_state["data"])
+        console.note(f"resumed from {load} at iteration {start}")
+    save_root = save or (str(run_dir / "checkpoints") if save_interval else None)
+    stop = min(stop_at or t.iterations, t.iterations)
+    try:
+        train_steps(state, data, run_dir=run_dir, start=start, stop=stop, save_root=save_root,
+                    save_interval=save_interval, manifest=manifest, console=console)
+    finally:
+        console.close()
+    console.note(f"fingerprints: {run_dir / 'fingerprints'}" + (f" | checkpoints: {save_root}" if save_root else ""))
+    torch.distributed.barrier()
+    ps.destroy_model_parallel()
+    return 0
+
+
+worker.before_process_group = enforce
