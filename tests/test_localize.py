@@ -78,17 +78,24 @@ def test_planted_order_dependence_is_localized_to_its_op(tmp_path):
 
 
 def test_untraced_write_is_flagged_one_hop_later(tmp_path):
-    """A write that bypasses ATen (here numpy, like a custom kernel) shows up at the next trivial op."""
+    """A write that bypasses ATen (here numpy, like a custom kernel) shows up at the next trivial op;
+    the lead-in makes the trace span several of the comparator's 1 MiB chunks."""
     for name, poke in (("a", 0.0), ("b", 1.0)):
         with Tracer(tmp_path / name, 0, 1, level="op", steps=(1, 1)) as tr:
             with tr.step(1):
+                z = torch.zeros(4)
+                for _ in range(12000):
+                    z = z + 1
                 y = torch.ones(8) * 3
                 y.numpy()[0] += poke
                 (y + 1).sum()
+    assert trace_path(tmp_path / "a", 0).stat().st_size > 1 << 20
     res = localize_traces(tmp_path / "a", tmp_path / "b")
     (f,) = [f for f in res.per_rank if f.classification != "match"]
     assert f.op == "aten.add.Tensor" and f.classification == "dispatcher_blind_spot"
     assert "one hop later" in f.detail and res.culprit["false_alarm"]
+    line = trace_path(tmp_path / "b", 0).read_text().splitlines()[f.line - 1]
+    assert json.loads(line)["out"] == f.outputs["b"] and f.events == f.line - 1
 
 
 def test_reading_uninitialized_memory_is_a_read_artifact(tmp_path):

@@ -197,9 +197,8 @@ def compare_rank(job: tuple) -> RankFinding:
     f = RankFinding(rank=rank, events=0)
     off_a, off_b, skipped, chunks = _equal_prefix(ta.path, tb.path, max(2, history * 256 // _CHUNK))
     f.events = skipped
-    hist_a = _history(ta.path, chunks, skipped + 1)
-    hist_b = deque(((tb.path, n, r) for _, n, r in hist_a), maxlen=history)
-    hist_a = deque(hist_a, maxlen=history)
+    hist_a: deque = deque(maxlen=history)  # lines compared one by one after the identical prefix
+    hist_b: deque = deque(maxlen=history)
     it_a, it_b = ta.lines(off_a, skipped + 1), tb.lines(off_b, skipped + 1)
     for (la, ra), (lb, rb) in zip(it_a, it_b):
         f.events += 1
@@ -218,7 +217,9 @@ def compare_rank(job: tuple) -> RankFinding:
             f.classification = CONTROL
             f.detail = f"event sequences diverge: run A has {event_id(a)}, run B has {event_id(b)}"
         else:
-            _classify(f, a, b, hist_a, hist_b)
+            prefix = _history(ta.path, chunks, skipped + 1)  # built only now: the prefix is identical
+            _classify(f, a, b, deque([*prefix, *hist_a], maxlen=history),
+                      deque([*((tb.path, n, r) for _, n, r in prefix), *hist_b], maxlen=history))
         return f
     rest_a, rest_b = next(it_a, None), next(it_b, None)
     for t in (ta, tb):
