@@ -91,7 +91,7 @@ def child_env(recipe) -> dict:
 
 
 def launch_training(recipe, *, nproc: int, run_dir, save=None, save_interval=None, load=None,
-                    model_provider=None, stop_at=None, argv=None) -> int:
+                    model_provider=None, stop_at=None, argv=None, snapshot_at=(), fault_skip_restore=()) -> int:
     """Train ``recipe`` on ``nproc`` local ranks (or join torchrun); returns the exit code."""
     from megatron_bitdet.train.launch import launch
 
@@ -101,6 +101,7 @@ def launch_training(recipe, *, nproc: int, run_dir, save=None, save_interval=Non
     args = {
         "recipe": recipe.to_dict(), "run_dir": str(run_dir), "save": save, "save_interval": interval,
         "load": load, "model_provider": model_provider, "stop_at": stop_at, "argv": argv,
+        "snapshot_at": list(snapshot_at), "fault_skip_restore": list(fault_skip_restore),
     }
     return launch("megatron_bitdet.train.worker:worker", nproc, args, run_dir=run_dir, env=child_env(recipe),
                   console_rank=-1)

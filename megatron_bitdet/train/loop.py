@@ -55,10 +55,11 @@ def _lm_loss(losses_reduced):
 
 
 def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root, save_interval: int,
-                manifest: dict, console: Console, tracer=None) -> None:
+                manifest: dict, console: Console, snapshot_at=frozenset()) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_bitdet.train import checkpoint
+    from megatron_bitdet.train.snapshot import take_snapshot
 
     recipe, rank = state.recipe, torch.distributed.get_rank()
     moe_coeff = recipe.model.moe.aux_loss_coeff
@@ -101,5 +102,8 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
                     rank_state={"rng": checkpoint.capture_rng(), "data": data.state_dict()}, manifest=manifest,
                 )
                 console.note(f"saved checkpoint iteration {step} to {save_root}")
+            if step in snapshot_at:
+                take_snapshot(run_dir, step, rank=rank, ddp_modules=model, optimizer=state.optimizer,
+                              scheduler=state.scheduler, data=data)
     finally:
         writer.close()

@@ -39,7 +39,8 @@ def enforce(rank: int, world_size: int, *, recipe: dict, **_unused) -> None:
 
 def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str | None = None,
            save_interval: int = 0, load: str | None = None, model_provider: str | None = None,
-           stop_at: int | None = None, argv: list | None = None) -> int:
+           stop_at: int | None = None, argv: list | None = None, snapshot_at: list | None = None,
+           fault_skip_restore: list | None = None) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_bitdet.enforce import build_manifest, write_manifest
@@ -48,6 +49,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
     from megatron_bitdet.train.data import build_train_data
     from megatron_bitdet.train.loop import train_steps
     from megatron_bitdet.train.setup import setup
+    from megatron_bitdet.train.snapshot import inject_restore_faults, take_snapshot
 
     if not _ENFORCEMENT:
         enforce(rank, world_size, recipe=recipe)
@@ -70,19 +72,30 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
     )
     console = Console(active=rank == world_size - 1, total=t.iterations)
     start = 0
+    snapshot_at = set(snapshot_at or ())
+    faults = list(fault_skip_restore or ())
     if load:
+        fresh = {"scheduler": state.scheduler.state_dict(), "data": data.state_dict()}
         start, rank_state = checkpoint.load_checkpoint(
             load, ddp_modules=state.ddp_modules, optimizer=state.optimizer, scheduler=state.scheduler,
             world_size=world_size,
         )
-        checkpoint.restore_rng(rank_state["rng"])
+        checkpoint.restore_rng(rank_state["rng"], skip=frozenset(f[4:] for f in faults if f.startswith("rng.")))
         data.load_state_dict(rank_state["data"])
+        if faults:
+            inject_restore_faults(faults, optimizer=state.optimizer, scheduler_state_before=fresh["scheduler"],
+                                  scheduler=state.scheduler, data=data, data_state_before=fresh["data"])
+            console.note(f"FAULT INJECTION: restore skipped {', '.join(faults)}")
         console.note(f"resumed from {load} at iteration {start}")
+        if start in snapshot_at:
+            take_snapshot(run_dir, start, rank=rank, ddp_modules=state.ddp_modules, optimizer=state.optimizer,
+                          scheduler=state.scheduler, data=data)
     save_root = save or (str(run_dir / "checkpoints") if save_interval else None)
     stop = min(stop_at or t.iterations, t.iterations)
     try:
         train_steps(state, data, run_dir=run_dir, start=start, stop=stop, save_root=save_root,
-                    save_interval=save_interval, manifest=manifest, console=console)
+                    save_interval=save_interval, manifest=manifest, console=console,
+                    snapshot_at=snapshot_at - {start})
     finally:
         console.close()
     console.note(f"fingerprints: {run_dir / 'fingerprints'}" + (f" | checkpoints: {save_root}" if save_root else ""))
