@@ -112,7 +112,7 @@ def test_all_violations_reported_together():
     out = evaluate_rules(recipe, canonical_facts(recipe, env={"NCCL_ALGO": "Tree"}))
     exc = DeterminismViolation(out.violations)
     assert [v.rule_id for v in exc.violations] == ["tp_comm_overlap", "nccl_tree", "moe_router_fusion"]
-    assert "swap 'moe_aux_loss'" in str(exc)
+    assert "variant 'moe_aux_loss'" in str(exc)
 
 
 def test_opt_out_records_and_unknown_opt_out_names_line():
@@ -127,7 +127,7 @@ def test_opt_out_records_and_unknown_opt_out_names_line():
 
 
 def test_swap_seam_resolves_rule_when_registered_and_enabled():
-    recipe = load_recipe(os.path.join(DATA, "router_fusion.yaml"))
+    recipe = load_recipe(os.path.join(DATA, "router_fusion.yaml"), ["determinism.swaps=true"])
     facts = canonical_facts(recipe)
     out = evaluate_rules(recipe, facts, available_swaps=frozenset({"moe_aux_loss"}))
     assert out.violations == [] and out.as_manifest()["swaps"][0]["swap"] == "moe_aux_loss"
@@ -286,3 +286,9 @@ def test_cli_refuses_router_fusion_then_accepts_opt_out_with_warning(tmp_path):
     assert manifest == json.loads(ok.stdout)
     assert manifest["rules"]["opt_outs"][0]["id"] == "moe_router_fusion"
     assert manifest["env"]["PYTHONHASHSEED"] == {"value": "0", "source": "launcher"}
+
+
+def test_cli_swaps_router_fusion_when_swaps_are_on():
+    swapped = _bitdet("recipe", "validate", os.path.join(DATA, "router_fusion.yaml"), "determinism.swaps=true")
+    assert swapped.returncode == 0, swapped.stderr
+    assert "1 swapped" in swapped.stdout and "moe_aux_loss" in swapped.stdout

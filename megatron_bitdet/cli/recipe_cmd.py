@@ -59,6 +59,8 @@ def run_validate(args) -> int:
             raise DeterminismViolation(violations)
         print(f"OK {summary_line(recipe)}; {len(outcome.applied)} rules clear, "
               f"{len(outcome.opt_outs)} opted out, {len(outcome.swaps)} swapped")
+        for swap in outcome.swaps:
+            print(f"swapped [{swap['id']}] {swap['message']} -> deterministic variant '{swap['swap']}'")
     else:
         print(f"OK {summary_line(recipe)}; determinism.mode is false: rules not evaluated")
     return 0

@@ -23,10 +23,15 @@ class Enforcement:
     warnings: list = field(default_factory=list)
 
 
-def plan(recipe, environ=None, available_swaps=frozenset(), *, late=True):
+def plan(recipe, environ=None, available_swaps=None, *, late=True):
     """(env settings, rule outcome, violations, warnings) without changing anything.
-    late=False skips the late-application checks (for judging a recipe outside the training process)."""
+    late=False skips the late-application checks (for judging a recipe outside the training process).
+    ``available_swaps`` defaults to every patch declared in ``patches/``."""
     environ = os.environ if environ is None else environ
+    if available_swaps is None:
+        from megatron_bitdet.patching import declared_ids
+
+        available_swaps = declared_ids()
     settings, env_problems = resolve_env(recipe, environ)
     facts = collect_facts(effective_env(settings))
     outcome = evaluate_rules(recipe, facts, available_swaps)
@@ -54,7 +59,7 @@ def _apply_torch(recipe) -> dict:
 
 
 def enable(recipe, *, rank: int = 0, world_size: int = 1, strict: bool = True,
-           available_swaps=frozenset()) -> Enforcement:
+           available_swaps=None) -> Enforcement:
     """Apply --deterministic-mode for ``recipe`` in this process (call before CUDA, process groups, TE and
     model build). strict: raise DeterminismViolation listing every violation; else keep them as warnings.
     ``rank``/``world_size`` only label warnings; each rank enforces for itself."""

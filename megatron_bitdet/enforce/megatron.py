@@ -18,16 +18,18 @@ MEGATRON_FLAG_RULES = {
 }
 
 
-def megatron_overrides(recipe) -> dict:
-    """TransformerConfig kwargs that carry the recipe's determinism decisions into megatron-core."""
-    moe = recipe.model.moe
+def megatron_overrides(recipe, swapped=()) -> dict:
+    """TransformerConfig kwargs that carry the recipe's determinism decisions into megatron-core.
+    ``swapped``: rule ids resolved by a swap — their megatron feature is switched off, because the
+    deterministic variant (patched in) takes its place."""
+    moe, swapped = recipe.model.moe, set(swapped)
     return {
         "deterministic_mode": bool(recipe.determinism.mode),
         "cross_entropy_loss_fusion": recipe.model.cross_entropy_loss_fusion,
         "tp_comm_overlap": recipe.parallel.tp_comm_overlap,
-        "moe_router_fusion": moe.router_fusion,
+        "moe_router_fusion": moe.router_fusion and "moe_router_fusion" not in swapped,
         "moe_permute_fusion": moe.permute_fusion,
-        "moe_grouped_gemm": moe.expert_impl == "te_grouped",
+        "moe_grouped_gemm": moe.expert_impl == "te_grouped" and "te_grouped_gemm" not in swapped,
     }
 
 

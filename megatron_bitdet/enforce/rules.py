@@ -146,22 +146,22 @@ def check_opt_outs(recipe) -> None:
 
 
 def evaluate_rules(recipe, facts: Facts, available_swaps=frozenset()) -> RuleOutcome:
-    """Evaluate every rule; a fired rule is swapped (swap registered and determinism.swaps on),
-    opted out (recorded, warned), or a violation. Nothing is decided one rule at a time."""
+    """Evaluate every rule; a fired rule is opted out (recorded, warned), swapped (swap registered
+    and determinism.swaps on), or a violation. Nothing is decided one rule at a time."""
     check_opt_outs(recipe)
     out = RuleOutcome()
     for rule in RULES:
         message = rule.detects(recipe, facts)
         if message is None:
             out.applied.append(rule.id)
-        elif rule.swap and rule.swap in available_swaps and recipe.determinism.swaps:
-            out.swaps.append({"id": rule.id, "swap": rule.swap, "message": message})
-        elif rule.id in recipe.determinism.opt_out:
+        elif rule.id in recipe.determinism.opt_out:  # an explicit acceptance beats a swap
             out.opt_outs.append({"id": rule.id, "message": message, "why": rule.why,
                                  "where": recipe.where("determinism", "opt_out")})
+        elif rule.swap and rule.swap in available_swaps and recipe.determinism.swaps:
+            out.swaps.append({"id": rule.id, "swap": rule.swap, "message": message})
         else:
             fix = rule.fix if not rule.swap else (
                 f"{rule.fix}; or let the deterministic variant '{rule.swap}' replace it "
-                f"(register swap '{rule.swap}', keep determinism.swaps: true)")
+                f"(determinism.swaps: true)")
             out.violations.append(Violation(rule.id, message, rule.why, fix))
     return out

@@ -30,8 +30,9 @@ def resolve_spec_family(recipe) -> str:
     return family
 
 
-def transformer_config(recipe, *, use_cpu_initialization: bool | None = None):
-    """megatron TransformerConfig for the recipe, carrying the enforcement's determinism decisions."""
+def transformer_config(recipe, *, swapped=(), use_cpu_initialization: bool | None = None):
+    """megatron TransformerConfig for the recipe, carrying the enforcement's determinism decisions
+    (``swapped``: rule ids the enforcement resolved with a swap)."""
     from megatron.core.activations import squared_relu
     from megatron.core.transformer import TransformerConfig
 
@@ -83,7 +84,7 @@ def transformer_config(recipe, *, use_cpu_initialization: bool | None = None):
             moe_aux_loss_coeff=moe.aux_loss_coeff,
             moe_token_dispatcher_type=moe.dispatcher,
         )
-    kwargs.update(megatron_overrides(recipe))
+    kwargs.update(megatron_overrides(recipe, swapped))
     return TransformerConfig(**kwargs)
 
 

@@ -94,7 +94,7 @@ def setup(recipe, enforcement, *, provider) -> TrainState:
     patches = patching.apply_for(recipe, family=resolve_spec_family(recipe), swaps=enforcement.rules.swaps)
     init_parallel(recipe)
     set_seeds(recipe.training.seed)
-    config = transformer_config(recipe)
+    config = transformer_config(recipe, swapped=[s["id"] for s in enforcement.rules.swaps])
     ddp_modules = build_model(recipe, config, provider)
     optimizer, scheduler = build_optimizer(recipe, config, ddp_modules)
     config.finalize_model_grads_func = finalize_model_grads
