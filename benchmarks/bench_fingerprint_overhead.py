@@ -1,0 +1,133 @@
+"""Cost of per-step fingerprinting as a fraction of a training step (target: <= 0.3%).
+
+One rank process (started by bitdet's launcher with the run's determinism environment), a 1-rank
+gloo world, the tiny hybrid recipe with ``parallel.expert=1`` (so one rank
+holds every expert), set up exactly as ``bitdet train`` does. Each round runs one training step
+(forward+backward over all micro-batches, optimizer, scheduler) and then the fingerprint work the
+loop does after it (``buffer_digest`` over the DDP param and grad buffers + one JSON line written,
+flushed and fsync'd), timing both: interleaved by construction, medians over the rounds.
+
+    .venv/bin/python benchmarks/bench_fingerprint_overhead.py [--steps 30] [--warmup 3] [KEY=VALUE ...]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+_ENFORCEMENT: list = []
+
+
+def enforce(rank: int, world_size: int, *, recipe: dict, **_unused) -> None:
+    """Before the process group, as ``bitdet train``'s worker does (the launcher calls it)."""
+    from megatron_bitdet.enforce import enable
+    from megatron_bitdet.patching import declared_ids
+    from megatron_bitdet.recipe import Recipe
+
+    recipe = Recipe.from_dict(recipe, source="<bench recipe>")
+    _ENFORCEMENT.append((recipe, enable(recipe, rank=rank, world_size=world_size, available_swaps=declared_ids())))
+
+
+def build(recipe, enforcement):
+    """setup -> data, in the worker's order (enforcement and process group already in place)."""
+    from megatron_bitdet.model.builder import default_model_provider
+    from megatron_bitdet.train.data import build_train_data
+    from megatron_bitdet.train.setup import setup
+
+    state = setup(recipe, enforcement, provider=default_model_provider)
+    t = recipe.training
+    data = build_train_data(
+        recipe.data, seq_length=recipe.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1, train_samples=t.iterations * t.global_batch_size,
+    )
+    return state, data
+
+
+def train_step(state, data, forward_backward) -> None:
+    from megatron_bitdet.train.loop import _forward_step
+
+    for m in state.ddp_modules:
+        m.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    forward_backward(forward_step_func=_forward_step, data_iterator=data, model=state.ddp_modules,
+                     num_microbatches=data.num_microbatches, seq_length=state.recipe.model.seq_length,
+                     micro_batch_size=state.recipe.training.micro_batch_size, forward_only=False)
+    state.optimizer.step()
+    state.scheduler.step(increment=1)
+
+
+def fingerprint(state, writer, step: int) -> float:
+    """What the loop adds per step: both buffer digests, then one durable line; returns the time
+    at which the digests were done (so the line's write + fsync is reported apart)."""
+    from megatron_bitdet.train.step_fingerprints import buffer_digest
+
+    grads = buffer_digest(state.ddp_modules, "grad_data")
+    params = buffer_digest(state.ddp_modules, "param_data")
+    digested = time.perf_counter()
+    writer.write(step, {"loss": 1.0, "lr": 0.001}, {"params": params, "grads": grads})
+    return digested
+
+
+def bench_worker(rank: int, world_size: int, *, recipe: dict, steps: int, warmup: int, work_dir: str) -> int:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from megatron_bitdet.train.step_fingerprints import StepFingerprintWriter
+
+    recipe, enforcement = _ENFORCEMENT[0]
+    state, data = build(recipe, enforcement)
+    forward_backward = get_forward_backward_func()
+    n_params = sum(b.param_data.numel() for m in state.ddp_modules for b in m.buffers + m.expert_parallel_buffers)
+    step_ms, fp_ms, digest_ms = [], [], []
+    writer = StepFingerprintWriter(work_dir, rank)
+    for step in range(1, steps + warmup + 1):
+        t0 = time.perf_counter()
+        train_step(state, data, forward_backward)
+        t1 = time.perf_counter()
+        digested = fingerprint(state, writer, step)
+        t2 = time.perf_counter()
+        if step > warmup:
+            step_ms.append((t1 - t0) * 1e3)
+            fp_ms.append((t2 - t1) * 1e3)
+            digest_ms.append((digested - t1) * 1e3)
+    writer.close()
+    ratio = statistics.median(f / s for f, s in zip(fp_ms, step_ms))
+    print(f"nemotron_h_tiny (parallel.expert=1), 1 rank, {recipe.determinism.threads} threads, "
+          f"{n_params:,} params in DDP buffers; {steps} steps after {warmup} warm-up")
+    print(f"step (fwd+bwd+optimizer): median {statistics.median(step_ms):.2f} ms")
+    print(f"fingerprint: median {statistics.median(fp_ms):.3f} ms = 2 buffer digests "
+          f"{statistics.median(digest_ms):.3f} ms + line write/flush/fsync")
+    print(f"overhead: median per-step ratio {ratio * 100:.3f}% of a step (target <= 0.3%)")
+    return 0
+
+
+bench_worker.before_process_group = enforce
+
+
+def main() -> int:
+    from megatron_bitdet.cli.train_cmd import child_env
+    from megatron_bitdet.recipe import load_recipe
+    from megatron_bitdet.train.launch import launch
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
+    args = ap.parse_args()
+    recipe = load_recipe(str(REPO / "recipes" / "nemotron_h_tiny.yaml"),
+                         ["parallel.expert=1", f"training.iterations={args.steps + args.warmup}", *args.overrides])
+    env = {**child_env(recipe), "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                             os.environ.get("PYTHONPATH")]))}
+    with tempfile.TemporaryDirectory() as work_dir:
+        return launch("bench_fingerprint_overhead:bench_worker", 1,
+                      {"recipe": recipe.to_dict(), "steps": args.steps, "warmup": args.warmup, "work_dir": work_dir},
+                      env=env)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
