@@ -1,0 +1,384 @@
+"""Checkpoint-resume validation: stop and restore at each K, compare the live state bit for bit,
+component by component and rank by rank, then the outputs of the steps that follow.
+
+Design: one uninterrupted reference run snapshots its live state after every K. The resumed side
+is a *chain* of fresh process launches: segment 0 trains 0 -> K1 and saves; segment i loads the
+previous segment's checkpoint at Ki, snapshots right after the restore and trains to K(i+1) (saving
+there), the last one to the end. A chain is the stronger test than loading the reference's own
+checkpoints: every save after the first is made by a process that was itself restored, so a
+component that is restored but not re-saved (or saved but not restored) breaks the chain, and the
+segments together cover the whole run without the reference's process ever lending state.
+The reference therefore saves nothing; it only snapshots and fingerprints.
+"""
+from __future__ import annotations
+
+import re
+import shutil
+import struct
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from megatron_bitdet.analysis.compare import compare_runs
+from megatron_bitdet.errors import BitdetError, BitdetInputError
+
+_MISSING = object()
+# Snapshot entries that are split one level deeper into components of their own (rng.python, ...).
+_SPLIT = ("rng",)
+_META = ("step", "rank")
+
+
+@dataclass
+class StateCheck:
+    """One leaf of the live state at one resume point and rank: bitwise equal or not, and how."""
+
+    resume_step: int
+    rank: int
+    component: str  # parameters | optimizer | scheduler | data | rng.<generator>
+    key: str
+    equal: bool
+    detail: str = ""
+    allowed: str = ""  # why this inequality is not a resume failure (one narrow, verified rule)
+
+    @property
+    def ok(self) -> bool:
+        return self.equal or bool(self.allowed)
+
+
+@dataclass
+class ResumePoint:
+    """A segment of the chain: restored at ``step`` (0: a fresh start) and trained to ``stop``."""
+
+    step: int
+    stop: int
+    run_dir: str
+    state_holds: bool | None  # None for the fresh start (nothing restored)
+    failing_components: list[str] = field(default_factory=list)
+    steps_compared: list[int] = field(default_factory=list)
+    first_output_divergence: int | None = None
+    diverged_steps: list[int] = field(default_factory=list)
+    divergent_metrics: list[str] = field(default_factory=list)
+    divergent_ranks: list[int] = field(default_factory=list)
+
+    @property
+    def holds(self) -> bool:
+        return self.state_holds is not False and self.first_output_divergence is None
+
+
+@dataclass
+class ResumeReport:
+    recipe: str
+    reference_dir: str
+    out_dir: str
+    resume_at: list[int]
+    iterations: int
+    faults: list[str]
+    points: list[ResumePoint]
+    checks: list[StateCheck]
+
+    @property
+    def holds(self) -> bool:
+        return all(p.holds for p in self.points)
+
+    @property
+    def first_output_divergence(self) -> dict[int, int | None]:
+        """Resume step -> first step whose outputs differ from the reference (None: all equal)."""
+        return {p.step: p.first_output_divergence for p in self.points if p.step}
+
+    @property
+    def failures(self) -> list[StateCheck]:
+        return [c for c in self.checks if not c.ok]
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "holds": self.holds,
+                "first_output_divergence": {str(k): v for k, v in self.first_output_divergence.items()}}
+
+    def table(self):
+        """Rich table: one row per resume point and component (failing keys named), plus outputs."""
+        from rich.table import Table
+
+        table = Table(title=f"resume validation: {self.recipe} ({self.iterations} iterations)")
+        for col in ("resumed at", "component", "ranks", "leaves", "differ", "first difference"):
+            table.add_column(col)
+        for p in self.points:
+            for component, checks in _by_component(self.checks, p.step).items():
+                bad = [c for c in checks if not c.ok]
+                allowed = sum(1 for c in checks if c.allowed)
+                first = f"rank {bad[0].rank} {bad[0].key}: {bad[0].detail}" if bad else ""
+                table.add_row(str(p.step), component, ",".join(map(str, sorted({c.rank for c in checks}))),
+                              f"{len(checks)}" + (f" ({allowed} allowed)" if allowed else ""), str(len(bad)), first,
+                              style="red" if bad else None)
+            if p.first_output_divergence is None:
+                outputs = f"steps {_span(p.steps_compared)} bit-identical"
+            else:
+                outputs = (f"first differ at step {p.first_output_divergence}: "
+                           f"{', '.join(p.divergent_metrics)} on rank(s) {','.join(map(str, p.divergent_ranks))}")
+            label = "fresh start" if p.step == 0 else str(p.step)
+            table.add_row(label, "outputs", "", str(len(p.steps_compared)),
+                          str(len(p.diverged_steps)), outputs,
+                          style=None if p.first_output_divergence is None else "red", end_section=True)
+        return table
+
+    def summary(self) -> str:
+        """One line per broken point naming the component, rank, key and first divergent output step."""
+        if self.holds:
+            return (f"HOLDS: resumed at {', '.join(map(str, self.resume_at))}; live state and outputs "
+                    f"bit-identical to the uninterrupted run")
+        lines, broken_before = ["BROKEN:"], False
+        for p in self.points:
+            if p.holds:
+                continue
+            where = "fresh start (no restore)" if p.step == 0 else f"resume at {p.step}"
+            bad = [c for c in self.failures if c.resume_step == p.step]
+            firsts = {}
+            for c in bad:
+                firsts.setdefault(c.component, c)
+            state = "; ".join(f"{c.component} differs (rank {c.rank}, {c.key}: {c.detail})" for c in firsts.values())
+            out = ("outputs identical" if p.first_output_divergence is None
+                   else f"outputs first differ at step {p.first_output_divergence}")
+            inherited = " (after a broken segment: may be inherited)" if broken_before else ""
+            lines.append(f"  {where}: {state or 'live state identical'}; {out}{inherited}")
+            broken_before = True
+        return "\n".join(lines)
+
+
+def _by_component(checks: list[StateCheck], step: int) -> dict[str, list[StateCheck]]:
+    out: dict[str, list[StateCheck]] = {}
+    for c in checks:
+        if c.resume_step == step:
+            out.setdefault(c.component, []).append(c)
+    return out
+
+
+def _span(steps: list[int]) -> str:
+    return f"{steps[0]}-{steps[-1]}" if steps else "none"
+
+
+# ----------------------------------------------------------------------------- input
+
+
+def parse_resume_at(text: str) -> list[int]:
+    """'2,4' -> [2, 4]; BitdetInputError for anything that is not a list of integers."""
+    try:
+        steps = [int(part) for part in (p.strip() for p in text.split(",")) if part]
+    except ValueError:
+        raise BitdetInputError(f"--resume-at: expected comma-separated iterations like '2,4', got {text!r}") from None
+    if not steps:
+        raise BitdetInputError(f"--resume-at: no iterations in {text!r}")
+    return steps
+
+
+def check_resume_at(resume_at, iterations: int) -> list[int]:
+    """Strictly increasing, each in 1 .. iterations-1 (a resume at the end would test nothing)."""
+    steps = list(resume_at)
+    if not steps:
+        raise BitdetInputError("resume_at: give at least one iteration to stop and restore at")
+    for k in steps:
+        if not isinstance(k, int) or isinstance(k, bool) or not 0 < k < iterations:
+            raise BitdetInputError(f"resume_at: {k!r} is not an iteration in 1..{iterations - 1} "
+                                   f"(training.iterations={iterations}; a resume needs steps after it)")
+    for a, b in zip(steps, steps[1:]):
+        if b <= a:
+            raise BitdetInputError(f"resume_at: must be strictly increasing, got {a} then {b}")
+    return steps
+
+
+def _check_faults(faults) -> list[str]:
+    from megatron_bitdet.train.snapshot import FAULTS
+
+    unknown = [f for f in faults if f not in FAULTS]
+    if unknown:
+        raise BitdetInputError(f"unknown restore fault(s) {', '.join(map(repr, unknown))}; known: {', '.join(FAULTS)}")
+    return list(faults)
+
+
+# ----------------------------------------------------------------------------- runs
+
+
+def _launch(recipe, run_dir: Path, what: str, **kwargs) -> Path:
+    from megatron_bitdet.cli.train_cmd import launch_training
+
+    shutil.rmtree(run_dir, ignore_errors=True)  # fingerprints append: a stale segment would mix in
+    rc = launch_training(recipe, run_dir=run_dir, **kwargs)
+    if rc != 0:
+        raise BitdetError(f"{what} failed (exit code {rc}); logs: {run_dir / 'logs'}")
+    return run_dir
+
+
+def run_reference(recipe, resume_at, *, nproc: int, run_dir, model_provider=None) -> Path:
+    """The uninterrupted run: live-state snapshots after every resume step, no checkpoints."""
+    steps = check_resume_at(resume_at, recipe.training.iterations)
+    return _launch(recipe, Path(run_dir), "reference run", nproc=nproc, save_interval=0,
+                   model_provider=model_provider, snapshot_at=steps)
+
+
+def _check_reference(reference_dir: Path, recipe, resume_at: list[int], nproc: int) -> None:
+    """A reused reference must be this recipe's run and hold a snapshot for every resume step and rank."""
+    from megatron_bitdet.enforce.manifest import load_manifest
+    from megatron_bitdet.train.snapshot import snapshot_path
+
+    manifest = load_manifest(reference_dir)
+    if manifest["recipe_digest"] != recipe.digest():
+        raise BitdetInputError(f"{reference_dir}: the reference was made from a different recipe "
+                               f"(recipe_digest differs from {recipe.digest()})")
+    if manifest["scope"].get("world_size") != nproc:
+        raise BitdetInputError(f"{reference_dir}: the reference ran on {manifest['scope'].get('world_size')} "
+                               f"ranks, not --nproc {nproc}")
+    for k in resume_at:
+        for rank in range(nproc):
+            if not snapshot_path(reference_dir, k, rank).is_file():
+                raise BitdetInputError(f"{reference_dir}: no live-state snapshot for iteration {k} rank {rank} "
+                                       f"({snapshot_path(reference_dir, k, rank)}); rerun the reference with "
+                                       f"these resume points")
+
+
+def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_provider=None, faults=(),
+                  reference_dir=None) -> ResumeReport:
+    """Reference run (or reuse ``reference_dir``) + a chain of resumed segments under ``out_dir``;
+    ``faults`` make every restore skip those components (demonstrates detection)."""
+    iterations = recipe.training.iterations
+    steps = check_resume_at(resume_at, iterations)
+    faults = _check_faults(faults)
+    out_dir = Path(out_dir)
+    if reference_dir is None:
+        reference_dir = run_reference(recipe, steps, nproc=nproc, run_dir=out_dir / "reference",
+                                      model_provider=model_provider)
+    reference_dir = Path(reference_dir)
+    _check_reference(reference_dir, recipe, steps, nproc)
+    bounds = [0, *steps, iterations]
+    points, checks, previous = [], [], None
+    for i, (start, stop) in enumerate(zip(bounds, bounds[1:])):
+        run_dir = out_dir / f"segment_{i:02d}_{start:07d}-{stop:07d}"
+        last = stop == iterations
+        _launch(recipe, run_dir, f"segment {start}->{stop}", nproc=nproc, model_provider=model_provider,
+                save_interval=0 if last else stop, stop_at=None if last else stop,
+                load=None if previous is None else str(previous / "checkpoints" / f"iter_{start:07d}"),
+                snapshot_at=[start] if start else [], fault_skip_restore=faults if start else [])
+        point = ResumePoint(step=start, stop=stop, run_dir=str(run_dir), state_holds=None)
+        if start:
+            point_checks = [c for rank in range(nproc) for c in compare_snapshots(reference_dir, run_dir, start, rank)]
+            checks += point_checks
+            point.state_holds = all(c.ok for c in point_checks)
+            point.failing_components = list(dict.fromkeys(c.component for c in point_checks if not c.ok))
+        _compare_outputs(reference_dir, run_dir, point)
+        points.append(point)
+        previous = run_dir
+    return ResumeReport(recipe=recipe.name, reference_dir=str(reference_dir), out_dir=str(out_dir),
+                        resume_at=steps, iterations=iterations, faults=faults, points=points, checks=checks)
+
+
+def _compare_outputs(reference_dir: Path, run_dir: Path, point: ResumePoint) -> None:
+    """Fingerprints of the segment's own steps against the same steps of the reference."""
+    result = compare_runs(reference_dir, run_dir)
+    expected = list(range(point.step + 1, point.stop + 1))
+    point.steps_compared = [s.step for s in result.per_step]
+    if point.steps_compared != expected or result.steps_only_in_b:
+        raise BitdetError(f"{run_dir}: segment fingerprints cover steps {_span(point.steps_compared)} "
+                          f"(+{result.steps_only_in_b} not in the reference), expected {_span(expected)}")
+    if result.first_divergence is not None:
+        point.first_output_divergence = result.first_divergence.step
+        point.diverged_steps = result.diverged_steps
+        point.divergent_metrics = result.first_divergence.metrics
+        point.divergent_ranks = result.first_divergence.ranks
+
+
+# ----------------------------------------------------------------------------- state comparison
+
+
+def compare_snapshots(reference_dir, resumed_dir, step: int, rank: int) -> list[StateCheck]:
+    """Every leaf of the two live-state snapshots at ``step`` for ``rank``, compared bitwise."""
+    import torch
+
+    from megatron_bitdet.train.snapshot import snapshot_path
+
+    ref, res = (torch.load(snapshot_path(d, step, rank), weights_only=True) for d in (reference_dir, resumed_dir))
+    checks = []
+    for component, a, b in _components(ref, res):
+        for key, va, vb in _leaves(a, b, ""):
+            equal, detail = bitwise_equal(va, vb)
+            allowed = "" if equal or component != "optimizer" else _megatron_group_step(key, a, b)
+            checks.append(StateCheck(step, rank, component, key or component, equal, detail, allowed))
+    return checks
+
+
+_GROUP_STEP = re.compile(r"(optimizer\d+\.group\d+)\.step")
+
+
+def _megatron_group_step(key: str, ref: dict, res: dict) -> str:
+    """megatron's DistributedOptimizer.state_dict() moves torch Adam's per-parameter 'step' into each
+    param group to serialize it, and load_state_dict() leaves that key in the live groups. torch
+    Adam reads only state[p]['step'] (compared bitwise as its own leaves), so a group 'step' present
+    only after the restore is allowed, and only when it equals the step of every parameter restored."""
+    m = _GROUP_STEP.fullmatch(key)
+    if not m or key in ref or key not in res:
+        return ""
+    steps = [v for k, v in res.items() if k.endswith(".step") and k.startswith(f"{m[1]}.param")]
+    if not steps or any(float(s) != res[key] for s in steps):
+        return ""
+    return (f"megatron DistributedOptimizer leaves the serialized step ({res[key]!r}) in the restored param "
+            f"group; torch Adam reads the per-parameter step, equal in all {len(steps)} parameters")
+
+
+def _components(ref: dict, res: dict):
+    for name in dict.fromkeys([*ref, *res]):
+        if name in _META:
+            continue
+        a, b = ref.get(name, _MISSING), res.get(name, _MISSING)
+        if name in _SPLIT and isinstance(a, dict) and isinstance(b, dict):
+            for sub in dict.fromkeys([*a, *b]):
+                yield f"{name}.{sub}", a.get(sub, _MISSING), b.get(sub, _MISSING)
+        else:
+            yield name, a, b
+
+
+def _leaves(a, b, prefix: str):
+    """(dotted key, reference leaf, resumed leaf) pairs; a key on one side only pairs with _MISSING."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in dict.fromkeys([*a, *b]):
+            yield from _leaves(a.get(key, _MISSING), b.get(key, _MISSING), f"{prefix}.{key}" if prefix else str(key))
+    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            yield from _leaves(x, y, f"{prefix}[{i}]")
+    else:
+        yield prefix, a, b
+
+
+_INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def bitwise_equal(a, b) -> tuple[bool, str]:
+    """Tensors: same dtype, shape and bytes. Python values: same type and value (floats by bit pattern)."""
+    import torch
+
+    if a is _MISSING or b is _MISSING:
+        return False, f"missing in the {'reference' if a is _MISSING else 'resumed run'}"
+    if torch.is_tensor(a) or torch.is_tensor(b):
+        if not (torch.is_tensor(a) and torch.is_tensor(b)):
+            return False, f"{type(a).__name__} vs {type(b).__name__}"
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return False, f"{a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"
+        return _tensor_bits_equal(a, b)
+    if type(a) is not type(b):
+        return False, f"{a!r} ({type(a).__name__}) vs {b!r} ({type(b).__name__})"
+    if isinstance(a, float):
+        same = struct.pack("<d", a) == struct.pack("<d", b)
+        return same, "" if same else f"{a!r} vs {b!r} (bit patterns differ)"
+    return a == b, "" if a == b else f"{a!r} vs {b!r}"
+
+
+def _tensor_bits_equal(a, b) -> tuple[bool, str]:
+    import torch
+
+    flat_a, flat_b = a.detach().reshape(-1).contiguous(), b.detach().reshape(-1).contiguous()
+    size = flat_a.element_size()
+    as_int = getattr(torch, _INT_OF_SIZE.get(size, "uint8"))
+    bits_a, bits_b = (t.view(torch.uint8).view(as_int) for t in (flat_a, flat_b))
+    differ = bits_a != bits_b
+    if size not in _INT_OF_SIZE:  # e.g. complex128: compare byte groups per element
+        differ = differ.view(-1, size).any(dim=1)
+    count = int(differ.sum())
+    if not count:
+        return True, ""
+    first = int(differ.nonzero()[0])
+    index = tuple(int(i) for i in torch.unravel_index(torch.tensor(first), a.shape)) if a.dim() else ()
+    return False, (f"{count} of {flat_a.numel()} elements differ; first at {list(index)}: "
+                   f"{flat_a[first].item()!r} vs {flat_b[first].item()!r}")
