@@ -1,0 +1,190 @@
+"""The determinism tax: the deterministic recipe vs the fastest supported nondeterministic recipe.
+
+    tax = (median deterministic step time / median baseline step time - 1) x 100%
+
+Measured in ONE launch of N ranks: each rank builds the deterministic model and every baseline
+candidate (same model, batch, layout, precision, seeds, batches), then runs rounds of one step per
+side, alternating the order (A B C, C B A, ...); warm-up rounds are excluded. A round's step time is
+the slowest rank's (every rank starts the step's clock after a barrier). The baseline is the fastest
+candidate: determinism.mode=false with each MoE expert implementation the stack supports.
+"""
+from __future__ import annotations
+
+import json
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from megatron_bitdet.errors import BitdetError, BitdetInputError
+
+WORKER = "megatron_bitdet.analysis.tax_worker:tax_worker"
+QUIET_PROFILER = {"KINETO_LOG_LEVEL": "6"}  # above every kineto level: no "profiler_start" lines per session
+
+
+@dataclass(frozen=True)
+class TaxConfig:
+    """How long to measure: ``rounds`` timed rounds after ``warmup``, then ``profile_steps`` per side."""
+
+    rounds: int = 20
+    warmup: int = 3
+    profile_steps: int = 2
+
+    def __post_init__(self):
+        if self.rounds < 2 or self.warmup < 0 or self.profile_steps < 1:
+            raise BitdetInputError(f"tax needs rounds >= 2, warmup >= 0, profile steps >= 1 (got {self})")
+
+
+@dataclass
+class SideStats:
+    """One configuration's figures (ms, MiB) over the timed rounds."""
+
+    name: str
+    deterministic: bool
+    expert_impl: str | None
+    step_ms: list
+    median_ms: float
+    p10_ms: float
+    p90_ms: float
+    tokens_per_s: float
+    comm_ms: float
+    peak_memory_mib: float
+    op_groups_ms: dict
+    top_ops_ms: dict  # rank 0's costliest ops (self time, ms/step), for saying what dominates
+    det_algorithms_enabled: list  # torch.are_deterministic_algorithms_enabled() seen during its steps, all ranks
+
+
+@dataclass
+class TaxResult:
+    deterministic: SideStats
+    baseline: SideStats
+    candidates: list
+    tax_percent: float
+    paired_tax_percent: float  # median over rounds of (det / baseline - 1): robust to drift between rounds
+    nproc: int
+    threads: int
+    config: TaxConfig
+    phases_s: dict = field(default_factory=dict)  # rank 0's seconds from start to: built, rounds, profiled
+    notes: list = field(default_factory=list)
+
+    @property
+    def dominant(self) -> str:
+        """The op group whose time grew the most from baseline to deterministic."""
+        d, b = self.deterministic.op_groups_ms, self.baseline.op_groups_ms
+        deltas = {g: d.get(g, 0.0) - b.get(g, 0.0) for g in set(d) | set(b)}
+        g = max(deltas, key=deltas.get) if deltas else None
+        return f"{g} (+{deltas[g]:.2f} ms/step)" if g and deltas[g] > 0 else "no op group grew"
+
+    def to_report_dict(self) -> dict:
+        """The ``tax`` argument of ``analysis.report.render_report``."""
+        sides = {"deterministic": self.deterministic, "baseline": self.baseline}
+        return {
+            "tax_percent": self.tax_percent,
+            "step_time_ms": {k: {"median": s.median_ms, "p10": s.p10_ms, "p90": s.p90_ms} for k, s in sides.items()},
+            "op_groups_ms": {k: s.op_groups_ms for k, s in sides.items()},
+            "comm_ms": {k: s.comm_ms for k, s in sides.items()},
+            "peak_memory_mib": {k: s.peak_memory_mib for k, s in sides.items()},
+        }
+
+    def to_json(self) -> str:
+        d = asdict(self)
+        d["dominant"] = self.dominant
+        return json.dumps(d, indent=2)
+
+    def summary(self) -> str:
+        b = self.baseline
+        return (f"tax {self.tax_percent:+.2f}% (paired {self.paired_tax_percent:+.2f}%): deterministic "
+                f"{self.deterministic.median_ms:.1f} ms vs {b.name} {b.median_ms:.1f} ms per step, "
+                f"{self.config.rounds} rounds on {self.nproc} ranks x {self.threads} threads; grew most: {self.dominant}")
+
+
+def _candidates(recipe) -> list[dict]:
+    """Every side to build: the deterministic recipe first, then the nondeterministic candidates (each
+    rank picks the sides' patch sets itself, once the CPU seams let megatron's layer modules import)."""
+    sides = [{"name": "deterministic", "recipe": recipe.to_dict(), "deterministic": True}]
+    moe = recipe.model.has("E")
+    impls = ["sequential", "grouped"] + (["te_grouped"] if _on_cuda() else []) if moe else [None]
+    for impl in impls:
+        d = recipe.to_dict()
+        d["determinism"]["mode"] = False
+        if impl:
+            d["model"]["moe"]["expert_impl"] = impl
+        sides.append({"name": f"baseline[{impl}]" if impl else "baseline", "recipe": d, "deterministic": False})
+    return sides
+
+
+def _pct(xs, q) -> float:
+    return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
+
+
+def _stats(side: dict, per_rank: list[dict], tokens_per_step: int) -> SideStats:
+    step = [max(r["step_s"][i] for r in per_rank) * 1000 for i in range(len(per_rank[0]["step_s"]))]
+    comm = [c * 1000 for r in per_rank for c in r["comm_s"]]
+    peak = [max(r["peak_mib"][i] for r in per_rank) for i in range(len(per_rank[0]["peak_mib"]))]
+    groups = sorted({g for r in per_rank for g in r["op_groups_ms"]})
+    median = float(np.median(step))
+    return SideStats(
+        name=side["name"], deterministic=side["deterministic"],
+        expert_impl=side["recipe"]["model"]["moe"]["expert_impl"] if "E" in side["recipe"]["model"]["hybrid_pattern"] else None,
+        step_ms=step, median_ms=median, p10_ms=_pct(step, 10), p90_ms=_pct(step, 90),
+        tokens_per_s=tokens_per_step / (median / 1000), comm_ms=float(np.median(comm)),
+        peak_memory_mib=float(np.median(peak)),
+        op_groups_ms={g: float(np.mean([r["op_groups_ms"].get(g, 0.0) for r in per_rank])) for g in groups},
+        top_ops_ms=per_rank[0]["top_ops_ms"],
+        det_algorithms_enabled=sorted({f for r in per_rank for f in r["det_flag_seen"]}),
+    )
+
+
+def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_dir=None, profile_steps: int = 2,
+                model_provider: str | None = None) -> TaxResult:
+    """Measure the tax of ``recipe`` (determinism.mode must be true) on ``nproc`` local ranks."""
+    from megatron_bitdet.cli.train_cmd import check_layout, child_env
+    from megatron_bitdet.recipe import Recipe
+    from megatron_bitdet.train.launch import launch
+
+    cfg = TaxConfig(rounds=rounds, warmup=warmup, profile_steps=profile_steps)
+    if not recipe.determinism.mode:
+        raise BitdetInputError("the tax compares the deterministic recipe with a baseline: "
+                               "determinism.mode must be true (the baseline is derived from it)")
+    check_layout(recipe, nproc)
+    d = recipe.to_dict()
+    d["training"]["iterations"] = cfg.warmup + cfg.rounds + cfg.profile_steps  # the batches the rounds consume
+    recipe = Recipe.from_dict(d, source=getattr(recipe, "source", "<recipe>"))
+    sides = _candidates(recipe)
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="bitdet_tax_"))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    raw = out_dir / "tax_raw.json"
+    raw.unlink(missing_ok=True)
+    rc = launch(WORKER, nproc, {"recipe": recipe.to_dict(), "sides": sides, "rounds": cfg.rounds,
+                                "warmup": cfg.warmup, "profile_steps": cfg.profile_steps, "out_path": str(raw),
+                                "model_provider": model_provider},
+                run_dir=out_dir, env={**child_env(recipe), **QUIET_PROFILER}, console_rank=-1)
+    if rc != 0 or not raw.exists():
+        raise BitdetError(f"tax measurement failed (exit {rc}); rank logs: {out_dir / 'logs'}")
+    data = json.loads(raw.read_text())
+    t = recipe.training
+    tokens = t.global_batch_size * recipe.model.seq_length
+    stats = [_stats(side, [rank[i] for rank in data["ranks"]], tokens) for i, side in enumerate(sides)]
+    det, candidates = stats[0], stats[1:]
+    base = min(candidates, key=lambda s: s.median_ms)
+    notes = [f"baseline = fastest nondeterministic candidate: {base.name} "
+             f"(candidates: {', '.join(f'{c.name} {c.median_ms:.2f} ms' for c in candidates)})",
+             "one launch: every rank builds all sides and alternates their steps on the same batches; "
+             "process-wide determinism env vars apply to every side",
+             "peak memory: " + ("CUDA allocator peak per step" if det.peak_memory_mib and _on_cuda()
+                                else "process RSS high-water per step (VmHWM reset via /proc/self/clear_refs; "
+                                     "includes all sides' resident models: compare by difference)")]
+    paired = float(np.median([a / b - 1 for a, b in zip(det.step_ms, base.step_ms)]) * 100)
+    result = TaxResult(deterministic=det, baseline=base, candidates=candidates,
+                       tax_percent=(det.median_ms / base.median_ms - 1) * 100, paired_tax_percent=paired,
+                       nproc=nproc, threads=data["threads"], config=cfg,
+                       phases_s=data["phases_s"], notes=notes)
+    (out_dir / "tax.json").write_text(result.to_json())
+    return result
+
+
+def _on_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()

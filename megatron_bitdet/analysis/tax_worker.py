@@ -1,0 +1,302 @@
+"""One rank of ``bitdet tax``: build every configuration side by side, then alternate their steps.
+
+Each rank builds the deterministic model and every nondeterministic candidate in ONE process (same
+parallel state, same seeds, same batches), so machine drift, thermal state and the launch itself
+cancel out. Before each step the side's process state is put in place: its patch set (setattr,
+cheap) and ``torch.use_deterministic_algorithms``. Process-wide env vars (the canonical determinism
+environment) are set once, before torch starts, and therefore apply to every side alike; on CPU they
+change nothing that runs here.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from megatron_bitdet.train.worker import enforce
+
+# ATen op name fragments -> op group, first match wins (self CPU/device time of each op).
+OP_GROUPS = (
+    ("communication", ("c10d::", "gloo", "nccl", "all_reduce", "alltoall", "allgather", "all_gather",
+                       "reduce_scatter", "reducescatter", "gatherfrom", "scatterto", "reducefrom", "copyto",
+                       "broadcast")),
+    ("compiled (inductor)", ("compiledfxgraph", "torch-compiled", "compiled")),
+    ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "matmul", "linear", "einsum", "_grouped_mm",
+                "aten::baddbmm")),
+    ("attention", ("softmax", "scaled_dot_product", "flash", "attention")),
+    ("ssm scan / conv", ("cumsum", "conv", "segsum", "aten::exp", "softplus", "tril")),
+    ("moe permute / index", ("index", "scatter", "gather", "sort", "topk", "nonzero", "masked", "bincount",
+                             "histc", "embedding", "where", "permute")),
+    ("norms", ("norm", "rsqrt", "aten::pow", "aten::mean", "aten::var")),
+    ("optimizer", ("_foreach", "adam", "lerp", "addcdiv", "addcmul", "aten::sqrt")),
+    ("fill / copy", ("fill_", "zero_", "copy_", "clone", "empty", "aten::cat", "aten::stack", "contiguous")),
+)
+TOP_OPS = 12
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gather_base", "reduce_scatter",
+               "reduce_scatter_tensor", "_reduce_scatter_base", "all_to_all", "all_to_all_single", "broadcast",
+               "barrier", "send", "recv", "isend", "irecv", "batch_isend_irecv", "all_gather_object")
+
+
+def op_group(name: str) -> str:
+    low = name.lower()
+    for group, keys in OP_GROUPS:
+        if any(k in low for k in keys):
+            return group
+    return "other"
+
+
+@dataclass
+class Side:
+    """One configuration: its recipe, the patches it runs with, and its own model/optimizer/data."""
+
+    name: str
+    recipe: object
+    patches: list
+    deterministic: bool
+    swaps: list = field(default_factory=list)  # the enforcement's resolved swaps (deterministic side only)
+    state: object = None
+    data: object = None
+    step_s: list = field(default_factory=list)
+    comm_s: list = field(default_factory=list)
+    peak_mib: list = field(default_factory=list)
+    det_flag_seen: set = field(default_factory=set)
+    op_groups_ms: dict = field(default_factory=dict)
+    top_ops_ms: dict = field(default_factory=dict)
+
+
+class CommTimer:
+    """Wall time spent inside torch.distributed collectives (call + blocking wait of async work)."""
+
+    def __init__(self):
+        self.seconds = 0.0
+
+    def _wrap(self, fn):
+        timer = self
+
+        class _Work:
+            def __init__(self, work):
+                self._work = work
+
+            def wait(self, *a, **k):
+                t0 = time.perf_counter()
+                try:
+                    return self._work.wait(*a, **k)
+                finally:
+                    timer.seconds += time.perf_counter() - t0
+
+            def __getattr__(self, name):
+                return getattr(self._work, name)
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                res = fn(*args, **kwargs)
+            finally:
+                timer.seconds += time.perf_counter() - t0
+            if isinstance(res, list) and res and hasattr(res[0], "wait"):
+                return [_Work(w) for w in res]
+            return _Work(res) if hasattr(res, "wait") else res
+        return wrapper
+
+    @contextmanager
+    def installed(self):
+        """Swap the collectives in torch.distributed and in every megatron module alias of them."""
+        import torch.distributed.distributed_c10d as c10d
+
+        originals = {id(getattr(c10d, n)): self._wrap(getattr(c10d, n)) for n in COLLECTIVES if hasattr(c10d, n)}
+        swapped = []
+        mods = [dist, c10d] + [m for n, m in list(sys.modules.items()) if n.startswith("megatron") and m]
+        for mod in mods:
+            for attr, val in list(vars(mod).items()):
+                if callable(val) and id(val) in originals:
+                    setattr(mod, attr, originals[id(val)])
+                    swapped.append((mod, attr, val))
+        try:
+            yield self
+        finally:
+            for mod, attr, val in swapped:
+                setattr(mod, attr, val)
+
+
+class PeakMemory:
+    """Peak memory of one step: CUDA allocator peak, or on CPU the process RSS high-water mark
+    (VmHWM, reset before the step through /proc/self/clear_refs). RSS includes every side's resident
+    model and the allocator's cached pages, so compare sides by difference, not by absolute value."""
+
+    def reset(self) -> None:
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        else:
+            try:
+                Path("/proc/self/clear_refs").write_text("5")
+            except OSError:
+                pass
+
+    def peak_mib(self) -> float:
+        if torch.cuda.is_available():
+            return torch.cuda.max_memory_allocated() / 2**20
+        import resource
+
+        try:
+            for line in Path("/proc/self/status").read_text().splitlines():
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+        except OSError:
+            pass
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def _activate(side: Side) -> None:
+    """Make this process run ``side``: its exact patch set and torch's deterministic-algorithms flag."""
+    from megatron_bitdet.patching import applied_patches, apply_patches, load_declarations, revert_patches
+
+    have = [p["id"] for p in applied_patches()]
+    extra = [i for i in have if i not in side.patches]
+    if extra:
+        revert_patches(extra)
+    missing = [i for i in side.patches if i not in have]
+    if missing:
+        apply_patches(load_declarations(ids=missing))
+    torch.use_deterministic_algorithms(side.deterministic)
+
+
+def _build(side: Side, provider) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import finalize_model_grads
+
+    from megatron_bitdet.model.builder import transformer_config
+    from megatron_bitdet.train.data import build_train_data
+    from megatron_bitdet.train.setup import TrainState, build_model, build_optimizer, set_seeds
+
+    _activate(side)
+    set_seeds(side.recipe.training.seed)
+    config = transformer_config(side.recipe, swapped=[w["id"] for w in side.swaps])
+    ddp_modules = build_model(side.recipe, config, provider)
+    optimizer, scheduler = build_optimizer(side.recipe, config, ddp_modules)
+    config.finalize_model_grads_func = finalize_model_grads
+    config.grad_scale_func = optimizer.scale_loss
+    config.no_sync_func = ddp_modules[0].no_sync
+    side.state = TrainState(side.recipe, config, ddp_modules, optimizer, scheduler, None, side.patches, [])
+    t = side.recipe.training
+    side.data = build_train_data(
+        side.recipe.data, seq_length=side.recipe.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
+        global_batch_size=t.global_batch_size, dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(), train_samples=t.iterations * t.global_batch_size,
+    )
+
+
+def _step(side: Side) -> None:
+    """One training step as ``train.loop.train_steps`` runs it, minus fingerprints and checkpoints."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
+
+    from megatron_bitdet.train.loop import _forward_step
+
+    s, r = side.state, side.recipe
+    for m in s.ddp_modules:
+        m.zero_grad_buffer()
+    s.optimizer.zero_grad()
+    get_forward_backward_func()(
+        forward_step_func=_forward_step, data_iterator=side.data, model=s.ddp_modules,
+        num_microbatches=side.data.num_microbatches, seq_length=r.model.seq_length,
+        micro_batch_size=r.training.micro_batch_size, forward_only=False,
+    )
+    side.det_flag_seen.add(torch.are_deterministic_algorithms_enabled())
+    s.optimizer.step()
+    s.scheduler.step(increment=1)
+    clear_aux_losses_tracker()
+
+
+def _timed_step(side: Side, comm: CommTimer, memory: PeakMemory, record: bool) -> None:
+    _activate(side)
+    memory.reset()
+    comm.seconds = 0.0
+    dist.barrier()  # every side pays the barrier before its clock starts
+    t0 = time.perf_counter()
+    with comm.installed():
+        _step(side)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    if record:
+        side.step_s.append(elapsed)
+        side.comm_s.append(comm.seconds)
+        side.peak_mib.append(memory.peak_mib())
+
+
+def _profile(side: Side, steps: int) -> None:
+    """Self time per op group, averaged over ``steps`` profiled steps (not part of the timed rounds)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    _activate(side)
+    with profile(activities=activities) as prof:
+        for _ in range(steps):
+            _step(side)
+    groups: dict = {}
+    ops = {}
+    for evt in prof.key_averages():
+        ms = (evt.self_device_time_total if torch.cuda.is_available() else evt.self_cpu_time_total) / 1000 / steps
+        groups[op_group(evt.key)] = groups.get(op_group(evt.key), 0.0) + ms
+        ops[evt.key] = ms
+    side.op_groups_ms = {g: round(v, 3) for g, v in sorted(groups.items())}
+    side.top_ops_ms = {k: round(v, 3) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_OPS]}
+
+
+def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds: int, warmup: int,
+               profile_steps: int, out_path: str, model_provider: str | None = None) -> int:
+    """``sides``: [{"name", "recipe" (dict), "deterministic"}], the deterministic one first."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bitdet import cpu_backend
+    from megatron_bitdet.model.builder import load_model_provider, resolve_spec_family
+    from megatron_bitdet.patching import select_patches
+    from megatron_bitdet.recipe import Recipe
+    from megatron_bitdet.train.setup import init_parallel
+    from megatron_bitdet.train.worker import _ENFORCEMENT
+
+    cpu_backend.install()
+    init_parallel(_ENFORCEMENT["recipe"])
+    provider = load_model_provider(model_provider)
+    built = []
+    for s in sides:
+        r = Recipe.from_dict(s["recipe"], source=f"<tax {s['name']}>")
+        swaps = list(_ENFORCEMENT["enforcement"].rules.swaps) if s["deterministic"] else []
+        built.append(Side(s["name"], r, select_patches(r, family=resolve_spec_family(r), swaps=swaps),
+                          s["deterministic"], swaps))
+    phases = {"start": time.perf_counter()}
+    for side in built:
+        _build(side, provider)
+    phases["built"] = time.perf_counter()
+    comm, memory = CommTimer(), PeakMemory()
+    for r in range(warmup + rounds):
+        order = built if r % 2 == 0 else built[::-1]  # A B C, C B A, ...: no side always goes first
+        for side in order:
+            _timed_step(side, comm, memory, record=r >= warmup)
+    phases["rounds"] = time.perf_counter()
+    for side in built:
+        _profile(side, profile_steps)
+    phases["profiled"] = time.perf_counter()
+    mine = [{"name": s.name, "step_s": s.step_s, "comm_s": s.comm_s, "peak_mib": s.peak_mib,
+             "det_flag_seen": sorted(s.det_flag_seen), "op_groups_ms": s.op_groups_ms,
+             "top_ops_ms": s.top_ops_ms} for s in built]
+    gathered = [None] * world_size
+    dist.all_gather_object(gathered, mine)
+    if rank == 0:
+        Path(out_path).write_text(json.dumps({"world_size": world_size, "threads": torch.get_num_threads(),
+                                              "ranks": gathered, "phases_s": {
+            k: round(phases[k] - phases["start"], 2) for k in phases if k != "start"}}))
+    dist.barrier()
+    ps.destroy_model_parallel()
+    return 0
+
+
+tax_worker.before_process_group = enforce
