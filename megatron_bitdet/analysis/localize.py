@@ -56,6 +56,7 @@ class RankFinding:
     inputs: dict = field(default_factory=dict)     # {"a": [...], "b": [...]}
     outputs: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
+    ignored: int = 0                  # differing records that carry no divergence (see _ignorable)
 
 
 @dataclass
@@ -142,6 +143,27 @@ def _classify(f: RankFinding, a: dict, b: dict, hist_a: deque, hist_b: deque) ->
                     + (f"; last traced producer: {event_id(src)}" if src else ""))
 
 
+def _ignorable(a: dict, b: dict, taint_a: set, taint_b: set) -> bool:
+    """A differing record pair that is not a divergence of the computation:
+
+    - outputs bit-identical: the differing inputs never reached the result (an overwritten
+      destination such as copy_ into fresh memory, a beta=0 operand of baddbmm);
+    - it read uninitialized memory, or every differing input derives from such a read: garbage and
+      its views differ run to run without meaning anything. Their outputs join the taint sets.
+    """
+    if a.get("out") == b.get("out"):
+        return True
+    ins_a, ins_b = a.get("in", []), b.get("in", [])
+    flags = set(a.get("flags", ())) | set(b.get("flags", ()))
+    diff = [(x, y) for x, y in zip(ins_a, ins_b) if x != y]
+    garbage = "reads_uninit" in flags or (
+        len(ins_a) == len(ins_b) and diff and all(x in taint_a or y in taint_b for x, y in diff))
+    if garbage:
+        taint_a.update(a.get("out", ()))
+        taint_b.update(b.get("out", ()))
+    return garbage
+
+
 _CHUNK = 1 << 20
 
 
@@ -199,6 +221,8 @@ def compare_rank(job: tuple) -> RankFinding:
     f.events = skipped
     hist_a: deque = deque(maxlen=history)  # lines compared one by one after the identical prefix
     hist_b: deque = deque(maxlen=history)
+    taint_a: set = set()
+    taint_b: set = set()
     it_a, it_b = ta.lines(off_a, skipped + 1), tb.lines(off_b, skipped + 1)
     for (la, ra), (lb, rb) in zip(it_a, it_b):
         f.events += 1
@@ -210,6 +234,11 @@ def compare_rank(job: tuple) -> RankFinding:
         same_id = event_id(a) == event_id(b)
         if same_id and a.get("in") == b.get("in") and a.get("out") == b.get("out"):
             hist_a.append((ta.path, la, ra))  # extras differ (e.g. a wildcard recv's src): not numerical
+            hist_b.append((tb.path, lb, rb))
+            continue
+        if same_id and _ignorable(a, b, taint_a, taint_b):
+            f.ignored += 1
+            hist_a.append((ta.path, la, ra))
             hist_b.append((tb.path, lb, rb))
             continue
         _fill(f, a, b, lb)

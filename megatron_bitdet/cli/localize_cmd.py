@@ -1,22 +1,36 @@
-"""`bitdet localize RUN_A RUN_B`: first op whose inputs match but outputs differ (exit 0 / 1 / 2)."""
+"""`bitdet localize RUN_A RUN_B`: first op whose inputs match but outputs differ (exit 0 / 1 / 2).
+
+With traces/ in both runs they are compared directly; with fingerprints only, the automatic ladder
+(analysis.ladder) re-runs both around the first divergent step with tracing on, level by level."""
 from __future__ import annotations
 
 import json
 import sys
 
+from pathlib import Path
+
+from megatron_bitdet.analysis.ladder import LadderConfig, describe, run_ladder
 from megatron_bitdet.analysis.localize import FALSE_ALARMS, MATCH, LocalizeConfig, localize_traces
+from megatron_bitdet.trace.format import LEVELS, trace_dir
 
 
 def register(subparsers, summary: str) -> None:
     p = subparsers.add_parser(
         "localize", help=summary, description=summary + ".",
-        epilog="Both run directories need traces/ (train with tracing on inside the suspect window). "
-               "Exit 0: no mismatch; 1: mismatch found; 2: unusable input (missing, foreign or torn trace).",
+        epilog="Runs with traces/ are compared as they are; runs with fingerprints only go up the ladder: "
+               "first divergent step from the fingerprints, then both runs re-launched from their manifests "
+               "(run from the directory they were launched in) with tracing semantic -> module -> op in a "
+               "window ending at that step, into RUN_X/ladder/<level>/. "
+               "Exit 0: no mismatch; 1: mismatch found (also when the ladder could not reproduce it: "
+               "intermittent); 2: unusable input (missing, foreign or torn trace, scope mismatch).",
     )
     p.add_argument("run_a", metavar="RUN_A", help="run directory with traces/")
     p.add_argument("run_b", metavar="RUN_B")
-    p.add_argument("--traces-only", action="store_true",
-                   help="use only traces/ (the only mode today; kept for the automatic ladder)")
+    p.add_argument("--traces-only", action="store_true", help="use only traces/: never re-run training")
+    p.add_argument("--levels", default=",".join(LEVELS), metavar="LIST",
+                   help=f"ladder rungs, in order (default {','.join(LEVELS)})")
+    p.add_argument("--context", type=int, default=LadderConfig.context, metavar="K",
+                   help="ladder: steps traced before the first divergent one (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--workers", type=int, default=0, help="parallel processes (default: one per CPU)")
     p.add_argument("--history", type=int, default=LocalizeConfig.history,
@@ -30,8 +44,11 @@ def _print_table(result) -> None:
 
     console = Console()
     bad = [f for f in result.per_rank if f.classification != MATCH]
+    ignored = sum(f.ignored for f in result.per_rank)
+    note = f" ({ignored} differing records ignored: no effect on outputs, or uninitialized memory)" if ignored else ""
     if not bad:
-        console.print(f"[green]no mismatch[/] in {result.events_compared} events over {result.ranks_compared} ranks")
+        console.print(f"[green]no mismatch[/] in {result.events_compared} events over {result.ranks_compared} ranks"
+                      + note)
     else:
         table = Table(title=f"first mismatch per rank ({len(bad)} of {result.ranks_compared} ranks)")
         for col in ("rank", "step", "phase", "module", "op", "classification", "detail"):
@@ -42,13 +59,44 @@ def _print_table(result) -> None:
                           f.classification, f.detail, style=style)
         console.print(table)
         c = result.culprit
-        console.print(f"[bold]culprit:[/] rank {c['rank']} {c['classification']} at {c['event_id']}: {c['evidence']}")
+        console.print(f"[bold]culprit:[/] rank {c['rank']} {c['classification']} at {c['event_id']}: {c['evidence']}"
+                      + note)
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {w}")
 
 
+def _print_ladder(result) -> None:
+    from rich.console import Console
+
+    console = Console()
+    if not result.diverged:
+        console.print(f"[green]{result.note}[/]")
+        return
+    console.print(f"fingerprints diverge first at step {result.first_step} on rank(s) {result.first_ranks} "
+                  f"({', '.join(result.first_metrics)})")
+    for r in result.rungs:
+        found = describe(r.culprit) if r.culprit else "no mismatch"
+        console.print(f"  {r.level:<8} steps {r.steps[0]}-{r.steps[1]} ranks {'all' if r.ranks is None else r.ranks}"
+                      f" ({r.events_compared} events): {found}")
+    if result.reproduced:
+        console.print(f"[bold]culprit:[/] {describe(result.culprit)}")
+    else:
+        console.print(f"[yellow]{result.note}[/]")
+
+
 def run(args) -> int:
-    result = localize_traces(args.run_a, args.run_b, LocalizeConfig(workers=args.workers, history=args.history))
+    local = LocalizeConfig(workers=args.workers, history=args.history)
+    if not args.traces_only and not (trace_dir(args.run_a).is_dir() and trace_dir(args.run_b).is_dir()):
+        levels = tuple(filter(None, (lv.strip() for lv in args.levels.split(","))))
+        ladder = run_ladder(Path(args.run_a), Path(args.run_b),
+                            LadderConfig(levels=levels, context=args.context, localize=local))
+        if args.json:
+            json.dump(ladder.to_json(), sys.stdout, indent=1)
+            sys.stdout.write("\n")
+        else:
+            _print_ladder(ladder)
+        return ladder.exit_code
+    result = localize_traces(args.run_a, args.run_b, local)
     if args.json:
         json.dump(result.to_json(), sys.stdout, indent=1)
         sys.stdout.write("\n")

@@ -11,9 +11,11 @@ EXAMPLES = """examples:
   bitdet train --recipe recipes/nemotron_h_tiny.yaml --nproc 2 --run-dir runs/a --save-interval 4
   bitdet train --recipe recipes/nemotron_h_tiny.yaml --nproc 2 --run-dir runs/b --load runs/a/checkpoints
   bitdet train --recipe R --nproc 2 --run-dir runs/c --model-provider my_models:provider parallel.tensor=2
+  bitdet train --recipe R --nproc 2 --run-dir runs/t --trace op --trace-steps 3-4 --trace-ranks 0
   torchrun --nproc-per-node 8 -m megatron_bitdet train --recipe R --nproc 8 --run-dir runs/gpu   # GPU cluster
 
-run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, checkpoints/iter_N/, logs/rank_XXXXX.log"""
+run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, checkpoints/iter_N/, logs/rank_XXXXX.log,
+               traces/rank_XXXXX.trace.jsonl (with --trace)"""
 
 
 def add_run_args(p) -> None:
@@ -36,7 +38,42 @@ def register(subparsers, summary):
     p.add_argument("--save-interval", type=int, default=None, help="save every K iterations")
     p.add_argument("--load", metavar="DIR", help="resume from a checkpoint root (its 'latest') or one iter_N dir")
     p.add_argument("--stop-at", type=int, metavar="K", help="stop after iteration K (simulates an interruption)")
+    add_trace_args(p)
     p.set_defaults(func=run)
+
+
+def add_trace_args(p) -> None:
+    g = p.add_argument_group("tracing", "per-rank traces for `bitdet localize` (off: nothing is installed)")
+    g.add_argument("--trace", metavar="LEVEL",
+                   help="semantic (gradient reduction, optimizer, collectives), module (+ every module's "
+                        "forward/backward) or op (+ every dispatcher op)")
+    g.add_argument("--trace-steps", metavar="A-B", help="inclusive step window (default: every step)")
+    g.add_argument("--trace-ranks", metavar="LIST", help="ranks to trace, e.g. 0,2-3 (default: all)")
+    g.add_argument("--trace-hash", default="fast", metavar="HASH", help="tensor digest: fast (default), exact, xor")
+
+
+def trace_settings(args) -> dict | None:
+    """The ``trace`` dict ``launch_training`` takes, validated here (exit 2 before any rank starts)."""
+    from megatron_bitdet.analysis.compare import parse_ranks
+    from megatron_bitdet.errors import BitdetInputError
+    from megatron_bitdet.trace import TraceConfig
+
+    if not args.trace:
+        if args.trace_steps or args.trace_ranks:
+            raise BitdetInputError("--trace-steps / --trace-ranks need --trace LEVEL")
+        return None
+    steps = [1, 1 << 62]
+    if args.trace_steps:
+        lo, sep, hi = args.trace_steps.partition("-")
+        try:
+            steps = [int(lo), int(hi if sep else lo)]
+        except ValueError:
+            raise BitdetInputError(f"--trace-steps: expected A-B, e.g. 3-4, got {args.trace_steps!r}") from None
+        if not 1 <= steps[0] <= steps[1]:
+            raise BitdetInputError(f"--trace-steps {args.trace_steps}: need 1 <= A <= B")
+    ranks = parse_ranks(args.trace_ranks) if args.trace_ranks else None
+    TraceConfig(args.trace, tuple(steps), frozenset(ranks) if ranks else None, args.trace_hash)
+    return {"level": args.trace, "steps": steps, "ranks": ranks, "hash": args.trace_hash}
 
 
 def load_run_recipe(args):
@@ -91,8 +128,11 @@ def child_env(recipe) -> dict:
 
 
 def launch_training(recipe, *, nproc: int, run_dir, save=None, save_interval=None, load=None,
-                    model_provider=None, stop_at=None, argv=None, snapshot_at=(), fault_skip_restore=()) -> int:
-    """Train ``recipe`` on ``nproc`` local ranks (or join torchrun); returns the exit code."""
+                    model_provider=None, stop_at=None, argv=None, snapshot_at=(), fault_skip_restore=(),
+                    trace=None) -> int:
+    """Train ``recipe`` on ``nproc`` local ranks (or join torchrun); returns the exit code.
+
+    ``trace``: None (off) or ``{"level", "steps": [a, b], "ranks": [...] | None, "hash"}``."""
     from megatron_bitdet.train.launch import launch
 
     check_layout(recipe, nproc)
@@ -101,13 +141,14 @@ def launch_training(recipe, *, nproc: int, run_dir, save=None, save_interval=Non
     args = {
         "recipe": recipe.to_dict(), "run_dir": str(run_dir), "save": save, "save_interval": interval,
         "load": load, "model_provider": model_provider, "stop_at": stop_at, "argv": argv,
-        "snapshot_at": list(snapshot_at), "fault_skip_restore": list(fault_skip_restore),
+        "snapshot_at": list(snapshot_at), "fault_skip_restore": list(fault_skip_restore), "trace": trace,
     }
     return launch("megatron_bitdet.train.worker:worker", nproc, args, run_dir=run_dir, env=child_env(recipe),
                   console_rank=-1)
 
 
 def run(args) -> int:
+    trace = trace_settings(args)
     recipe = load_run_recipe(args)
     if args.model_provider:
         from megatron_bitdet.model.builder import load_model_provider
@@ -116,5 +157,5 @@ def run(args) -> int:
         load_model_provider(args.model_provider)  # fail here, before any rank starts
     return launch_training(
         recipe, nproc=args.nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval,
-        load=args.load, model_provider=args.model_provider, stop_at=args.stop_at, argv=sys.argv,
+        load=args.load, model_provider=args.model_provider, stop_at=args.stop_at, argv=sys.argv, trace=trace,
     )

@@ -1,10 +1,11 @@
 """The pretraining loop on megatron-core: one function per rank (``worker``), launched by
-``train.launch``. Every step appends a fingerprint line; checkpoints save the full state."""
+``train.launch``. Every step appends a fingerprint line; checkpoints save the full state.
+With a ``Tracer`` the steps inside its window are traced (phases forward / backward, grad_reduce,
+optimizer); without one nothing is installed."""
 from __future__ import annotations
 
-import json
-import sys
 import time
+from contextlib import contextmanager
 from functools import partial
 from pathlib import Path
 
@@ -54,8 +55,84 @@ def _lm_loss(losses_reduced):
     return total[0] / total[1]
 
 
+def _buffers(ddp_modules, attr: str) -> list:
+    """megatron DDP's contiguous ``param_data`` / ``grad_data`` buffers, dense then expert-parallel."""
+    return [getattr(b, attr) for m in ddp_modules for b in (*m.buffers, *m.expert_parallel_buffers)]
+
+
+def _optimizer_state(optimizer) -> list:
+    """Every tensor of the inner torch optimizers' state, in parameter-group order."""
+    out = []
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = opt.optimizer
+        for group in inner.param_groups:
+            for p in group["params"]:
+                st = inner.state.get(p, {})
+                out += [st[k] for k in sorted(st) if isinstance(st[k], torch.Tensor)]
+    return out
+
+
+@contextmanager
+def _traced_step(tracer, state, step: int):
+    """Trace this step when it lies in the window: the DDP gradient buffers are recorded right after
+    megatron's ``finalize_model_grads`` (swapped only for the step) in phase ``grad_reduce``."""
+    if tracer is None or not tracer.in_window(step):
+        yield None
+        return
+    config, finalize = state.config, state.config.finalize_model_grads_func
+
+    def traced_finalize(*args, **kwargs):
+        with tracer.phase("grad_reduce"):
+            result = finalize(*args, **kwargs)
+            tracer.event("grad_buffers", _buffers(state.ddp_modules, "grad_data"), scope="ddp")
+        return result
+
+    config.finalize_model_grads_func = traced_finalize
+    try:
+        with tracer.step(step):
+            _scratch_is_uninit(tracer)
+            yield tracer
+    finally:
+        config.finalize_model_grads_func = finalize
+
+
+def _scratch_is_uninit(tracer) -> None:
+    """megatron's global memory buffer is scratch (e.g. the beta=0 operand of attention's baddbmm):
+    its contents at a step's start mean nothing, like an aten.empty output's (op-level tracking)."""
+    from megatron.core import parallel_state as ps
+
+    buffer = ps._GLOBAL_MEMORY_BUFFER
+    for t in (buffer.buffer.values() if buffer is not None else ()):
+        tracer.uninit[t.data_ptr()] = None
+
+
+@contextmanager
+def _untraced(tracer):
+    """Bookkeeping (fingerprint hashing) inside a traced step is not part of the trace."""
+    if tracer is not None:
+        tracer.quiet += 1
+    try:
+        yield
+    finally:
+        if tracer is not None:
+            tracer.quiet -= 1
+
+
+def _optimizer_step(state, tracer):
+    """optimizer.step(), recorded (tracing on) as one event: params + grads before, params + state after."""
+    if tracer is None:
+        return state.optimizer.step()
+    with tracer.phase("optimizer"):
+        model = state.ddp_modules
+        before = tracer.fps([*_buffers(model, "param_data"), *_buffers(model, "grad_data")])
+        result = state.optimizer.step()
+        after = tracer.fps([*_buffers(model, "param_data"), *_optimizer_state(state.optimizer)])
+        tracer.record("event", "optimizer.step", before, after, scope="optimizer")
+    return result
+
+
 def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root, save_interval: int,
-                manifest: dict, console: Console, snapshot_at=frozenset()) -> None:
+                manifest: dict, console: Console, snapshot_at=frozenset(), tracer=None) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_bitdet.train import checkpoint
@@ -72,13 +149,15 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             for m in model:
                 m.zero_grad_buffer()
             state.optimizer.zero_grad()
-            losses = forward_backward(
-                forward_step_func=_forward_step, data_iterator=data, model=model,
-                num_microbatches=data.num_microbatches, seq_length=recipe.model.seq_length,
-                micro_batch_size=recipe.training.micro_batch_size, forward_only=False,
-            )
-            grads_digest = buffer_digest(model, "grad_data")
-            ok, grad_norm, _ = state.optimizer.step()
+            with _traced_step(tracer, state, step) as tr:
+                losses = forward_backward(
+                    forward_step_func=_forward_step, data_iterator=data, model=model,
+                    num_microbatches=data.num_microbatches, seq_length=recipe.model.seq_length,
+                    micro_batch_size=recipe.training.micro_batch_size, forward_only=False,
+                )
+                with _untraced(tr):
+                    grads_digest = buffer_digest(model, "grad_data")
+                ok, grad_norm, _ = _optimizer_step(state, tr)
             lr = state.optimizer.param_groups[0]["lr"]
             state.scheduler.step(increment=1)
             elapsed = time.perf_counter() - t0

@@ -40,7 +40,7 @@ def enforce(rank: int, world_size: int, *, recipe: dict, **_unused) -> None:
 def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str | None = None,
            save_interval: int = 0, load: str | None = None, model_provider: str | None = None,
            stop_at: int | None = None, argv: list | None = None, snapshot_at: list | None = None,
-           fault_skip_restore: list | None = None) -> int:
+           fault_skip_restore: list | None = None, trace: dict | None = None) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_bitdet.enforce import build_manifest, write_manifest
@@ -59,7 +59,8 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
     run_dir = Path(run_dir)
     manifest = build_manifest(
         recipe, enforcement, world_size=world_size, argv=argv,
-        extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams, "model_provider": model_provider},
+        extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams, "model_provider": model_provider,
+               "trace": trace},
     )
     if rank == 0:
         write_manifest(run_dir, manifest)
@@ -92,16 +93,32 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
                           scheduler=state.scheduler, data=data)
     save_root = save or (str(run_dir / "checkpoints") if save_interval else None)
     stop = min(stop_at or t.iterations, t.iterations)
+    tracer = _tracer(trace, run_dir, rank, world_size, state, manifest)
     try:
         train_steps(state, data, run_dir=run_dir, start=start, stop=stop, save_root=save_root,
                     save_interval=save_interval, manifest=manifest, console=console,
-                    snapshot_at=snapshot_at - {start})
+                    snapshot_at=snapshot_at - {start}, tracer=tracer)
     finally:
         console.close()
+        if tracer is not None:
+            tracer.close()
     console.note(f"fingerprints: {run_dir / 'fingerprints'}" + (f" | checkpoints: {save_root}" if save_root else ""))
     torch.distributed.barrier()
     ps.destroy_model_parallel()
     return 0
+
+
+def _tracer(trace: dict | None, run_dir: Path, rank: int, world_size: int, state, manifest: dict):
+    """This rank's Tracer over the unwrapped chunks (scopes are megatron's module paths), or None."""
+    if not trace:
+        return None
+    from megatron_bitdet.trace import Tracer
+
+    tracer = Tracer(run_dir, rank, world_size, level=trace["level"], steps=tuple(trace["steps"]),
+                    ranks=trace.get("ranks"), hash=trace.get("hash", "fast"),
+                    manifest_digest=manifest["recipe_digest"])
+    tracer.attach([m.module for m in state.ddp_modules])
+    return tracer
 
 
 worker.before_process_group = enforce
