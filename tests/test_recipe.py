@@ -99,7 +99,7 @@ def test_errors_in_a_base_name_the_base_file():
 def test_extends_merges_child_over_base_and_errors_name_the_right_file():
     r = load_recipe(os.path.join(DATA, "router_fusion.yaml"))
     assert r.model.moe.router_fusion is True and r.model.moe.num_experts == 4  # rest from the base
-    assert r.where("model", "moe", "router_fusion").endswith("router_fusion.yaml:6")
+    assert r.where("model", "moe", "router_fusion").endswith("router_fusion.yaml:7")
     assert r.where("model", "moe", "num_experts") == f"{TINY}:{_line_of(TINY, 'num_experts:')}"
 
 
