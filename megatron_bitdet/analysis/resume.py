@@ -105,7 +105,7 @@ class ResumeReport:
                 allowed = sum(1 for c in checks if c.allowed)
                 first = f"rank {bad[0].rank} {bad[0].key}: {bad[0].detail}" if bad else ""
                 table.add_row(str(p.step), component, ",".join(map(str, sorted({c.rank for c in checks}))),
-                              f"{len(checks)}" + (f" ({allowed} allowed)" if allowed else ""), str(len(bad)), first,
+                              f"{len(checks)}" + (f" ({allowed} allowed)" if allowed else ""), _count_ranks(bad), first,
                               style="red" if bad else None)
             if p.first_output_divergence is None:
                 outputs = f"steps {_span(p.steps_compared)} bit-identical"
@@ -147,6 +147,11 @@ def _by_component(checks: list[StateCheck], step: int) -> dict[str, list[StateCh
         if c.resume_step == step:
             out.setdefault(c.component, []).append(c)
     return out
+
+
+def _count_ranks(bad: list[StateCheck]) -> str:
+    ranks = ",".join(map(str, sorted({c.rank for c in bad})))
+    return f"{len(bad)} (rank {ranks})" if bad else "0"
 
 
 def _span(steps: list[int]) -> str:

@@ -1,0 +1,142 @@
+"""verify-resume on real 2-rank gloo training: a correct chain holds; restores that skip a
+component (test-only fault injection in the worker) are named by component, rank, key and the
+first step whose outputs differ. One reference run is shared by every test of this module.
+
+The shared recipe has dropout on (attention and hidden): attention dropout draws from megatron's
+tracker ("model-parallel-rng" fork) and hidden dropout from the default torch generator, so a
+correct resume must restore both exactly, and a skipped tracker restore changes later outputs.
+"""
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_bitdet.analysis.resume import bitwise_equal, check_resume_at, run_reference, verify_resume
+from megatron_bitdet.cli import main
+from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = str(ROOT / "recipes" / "nemotron_h_tiny.yaml")
+OVERRIDES = ["training.iterations=6", "model.attention_dropout=0.1", "model.hidden_dropout=0.1"]
+STATE = {"parameters", "optimizer", "scheduler", "rng.python", "rng.numpy", "rng.torch_cpu", "rng.tracker", "data"}
+
+pytestmark = pytest.mark.timeout(300)
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return load_recipe(RECIPE, OVERRIDES)
+
+
+@pytest.fixture(scope="module")
+def reference(recipe, tmp_path_factory):
+    return run_reference(recipe, [2, 3, 4], nproc=2, run_dir=tmp_path_factory.mktemp("vr") / "reference")
+
+
+def test_correct_chain_holds_component_by_component(recipe, reference, tmp_path):
+    report = verify_resume(recipe, [2, 4], nproc=2, out_dir=tmp_path, reference_dir=reference)
+    assert report.holds, report.summary()
+    assert report.first_output_divergence == {2: None, 4: None}
+    assert [p.steps_compared for p in report.points] == [[1, 2], [3, 4], [5, 6]]
+    for step in (2, 4):
+        for rank in (0, 1):
+            assert {c.component for c in report.checks if c.resume_step == step and c.rank == rank} == STATE
+    tracker = {c.key for c in report.checks if c.component == "rng.tracker"}
+    assert "model-parallel-rng" in tracker
+    # The one allowed inequality: megatron's serialized group 'step', equal to every restored param step.
+    assert {c.key.rsplit(".", 1)[-1] for c in report.checks if c.allowed} == {"step"}
+    assert all(not c.equal for c in report.checks if c.allowed)
+    assert json.loads(json.dumps(report.to_json()))["holds"] is True
+    assert report.summary().startswith("HOLDS")
+
+
+@pytest.mark.parametrize("fault, component, key", [
+    ("rng.tracker", "rng.tracker", "model-parallel-rng"),
+    ("data", "data", "consumed_samples"),
+])
+def test_skipped_restore_is_named(recipe, reference, tmp_path, fault, component, key):
+    report = verify_resume(recipe, [3], nproc=2, out_dir=tmp_path, reference_dir=reference, faults=[fault])
+    assert not report.holds
+    fresh, resumed = report.points
+    assert fresh.holds  # the segment before any restore matches the reference
+    assert resumed.failing_components == [component]
+    bad = report.failures
+    assert {c.rank for c in bad} == {0, 1}
+    assert any(c.key == key for c in bad), [c.key for c in bad]
+    assert report.first_output_divergence == {3: 4} and resumed.diverged_steps == [4, 5, 6]
+    assert f"{component} differs" in report.summary() and "first differ at step 4" in report.summary()
+
+
+def test_cli_skipped_optimizer_moment_exits_1_with_json(reference, tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_bitdet", "verify-resume", "--recipe", RECIPE, "--resume-at", "3",
+         "--out", str(tmp_path), "--reference", str(reference), "--json",
+         "--fault-skip-restore", "optimizer.exp_avg", *OVERRIDES],
+        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=280,
+    )
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    out = json.loads(proc.stdout[proc.stdout.index("{\n"):])
+    assert out["holds"] is False and out["first_output_divergence"] == {"3": 4}
+    bad = [c for c in out["checks"] if not c["equal"] and not c["allowed"]]
+    assert {c["component"] for c in bad} == {"optimizer"}
+    assert bad and all(c["key"].endswith(".exp_avg") for c in bad)
+    assert "elements differ" in bad[0]["detail"]
+
+
+def test_bad_resume_at_exits_2_without_launching(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run(
+        [sys.executable, "-m", "megatron_bitdet", "verify-resume", "--recipe", RECIPE, "--resume-at", "4,2",
+         "--out", str(out)], capture_output=True, text=True, cwd=ROOT, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert "strictly increasing, got 4 then 2" in proc.stderr and "Traceback" not in proc.stderr
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("text, message", [
+    ("0", "not an iteration in 1..7"), ("8", "not an iteration in 1..7"), ("3,3", "strictly increasing"),
+    ("two", "expected comma-separated iterations"), (",", "no iterations"),
+])
+def test_bad_resume_at_in_process(tmp_path, capsys, text, message):
+    assert main(["verify-resume", "--recipe", RECIPE, "--resume-at", text, "--out", str(tmp_path / "o")]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
+
+
+def test_unusable_reference_and_fault_are_refused_before_launching(recipe, reference, tmp_path):
+    with pytest.raises(BitdetInputError, match="no live-state snapshot for iteration 5"):
+        verify_resume(recipe, [5], nproc=2, out_dir=tmp_path, reference_dir=reference)
+    with pytest.raises(BitdetInputError, match="different recipe"):
+        verify_resume(load_recipe(RECIPE, ["training.iterations=6"]), [2], nproc=2, out_dir=tmp_path,
+                      reference_dir=reference)
+    with pytest.raises(BitdetInputError, match="ran on 2 ranks, not --nproc 1"):
+        verify_resume(recipe, [2], nproc=1, out_dir=tmp_path, reference_dir=reference)
+    with pytest.raises(BitdetInputError, match="unknown restore fault"):
+        verify_resume(recipe, [2], nproc=2, out_dir=tmp_path, reference_dir=reference, faults=["rng.everything"])
+    assert not list(tmp_path.iterdir())
+    with pytest.raises(BitdetInputError):
+        check_resume_at([True], 6)
+
+
+def test_bitwise_equal_is_bits_not_values():
+    x = torch.linspace(-1, 1, 12).reshape(3, 4)
+    y = x.clone()
+    y.view(torch.int32)[2, 1] ^= 1  # one flipped low mantissa bit
+    assert bitwise_equal(x, x.clone()) == (True, "")
+    equal, detail = bitwise_equal(x, y)
+    assert not equal and detail.startswith("1 of 12 elements differ; first at [2, 1]")
+    assert not bitwise_equal(torch.zeros(2), torch.zeros(2, dtype=torch.float64))[0]
+    assert not bitwise_equal(torch.zeros(2), -torch.zeros(2))[0]  # -0.0 == 0.0 numerically
+    nan = torch.tensor([math.nan])
+    assert bitwise_equal(nan, nan.clone())[0]  # same NaN bits are equal (NaN != NaN numerically)
+    assert bitwise_equal(torch.tensor([True, False]), torch.tensor([True, False]))[0]
+    assert not bitwise_equal(0.0, -0.0)[0] and bitwise_equal(math.nan, math.nan)[0]
+    assert not bitwise_equal(1, True)[0] and not bitwise_equal(1, 1.0)[0]
+    assert bitwise_equal({"a": 1}, {"a": 1})[0] and bitwise_equal(None, None)[0]
