@@ -1,0 +1,79 @@
+"""Checkpoints of real 2-rank runs: the round trip is bitwise, corruption and incomplete saves are refused."""
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from conftest import ITERATIONS, RESUME_AT, train
+from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.train.checkpoint import META, iter_dir, resolve_checkpoint
+from megatron_bitdet.train.snapshot import snapshot_path
+
+
+def _flat(tree, prefix=""):
+    """Nested snapshot dicts -> {dotted key: leaf}."""
+    if isinstance(tree, dict):
+        out = {}
+        for k, v in tree.items():
+            out.update(_flat(v, f"{prefix}{k}."))
+        return out
+    return {prefix[:-1]: tree}
+
+
+def _bits(value):
+    """A leaf as comparable bits: tensors by dtype, shape and raw bytes; everything else as is."""
+    if torch.is_tensor(value):
+        return str(value.dtype), tuple(value.shape), value.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes()
+    return value
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("rank", [0, 1])
+def test_round_trip_restores_every_bit(reference_run, resumed_run, rank):
+    """Live state after saving K == live state after loading K: parameters, optimizer (main params,
+    moments, step), scheduler, every RNG, the data position."""
+    assert resumed_run.rc == 0
+    saved = torch.load(snapshot_path(reference_run.dir, RESUME_AT, rank), weights_only=True)
+    loaded = torch.load(snapshot_path(resumed_run.dir, RESUME_AT, rank), weights_only=True)
+    saved, loaded = _flat(saved), _flat(loaded)
+    assert any(k.startswith("parameters.") for k in saved) and any(".exp_avg" in k for k in saved)
+    assert sorted(saved) == sorted(loaded)
+    differing = [k for k in saved if _bits(saved[k]) != _bits(loaded[k])]
+    assert differing == []
+
+
+def test_latest_names_the_newest_complete_iteration(reference_run):
+    root = reference_run.dir / "checkpoints"
+    assert (root / "latest").read_text() == f"{ITERATIONS}\n"
+    assert resolve_checkpoint(root) == iter_dir(root, ITERATIONS)
+    assert sorted(p.name for p in root.iterdir()) == [f"iter_{i:07d}" for i in range(1, ITERATIONS + 1)] + ["latest"]
+    assert all((iter_dir(root, i) / META).is_file() for i in range(1, ITERATIONS + 1))
+
+
+def test_incomplete_checkpoint_is_refused(reference_run, tmp_path):
+    """A save that never got its metadata (a crash between the shards and the commit)."""
+    root = tmp_path / "checkpoints"
+    shutil.copytree(reference_run.dir / "checkpoints", root)
+    (iter_dir(root, ITERATIONS) / META).unlink()
+    for path in (root, iter_dir(root, ITERATIONS)):  # through 'latest' and directly
+        with pytest.raises(BitdetInputError, match=f"iter_{ITERATIONS:07d}: not a complete bitdet checkpoint"):
+            resolve_checkpoint(path)
+
+
+@pytest.mark.timeout(180)
+def test_corrupt_checkpoint_fails_the_resume_naming_the_file(reference_run, tmp_path, capfd):
+    """One flipped byte in one shard: the resumed run exits 2 and names the file."""
+    src = iter_dir(reference_run.dir / "checkpoints", RESUME_AT)
+    ckpt = tmp_path / src.name
+    shutil.copytree(src, ckpt)
+    shard = sorted(ckpt.glob("*.distcp"))[0]
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    run = train(tmp_path / "run", load=str(ckpt))
+    assert run.rc == 2
+    err = capfd.readouterr().err
+    assert "checkpoint is corrupt" in err and f"digest mismatch: {shard.name}" in err
+    assert not (tmp_path / "run" / "fingerprints").exists()  # refused before the first step
