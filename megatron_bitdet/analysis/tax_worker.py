@@ -22,7 +22,8 @@ import torch.distributed as dist
 
 from megatron_bitdet.train.worker import enforce
 
-# ATen op name fragments -> op group, first match wins (self CPU/device time of each op).
+# Op name fragments -> op group, first match wins (self CPU/device time of each op); a fragment
+# ending in "$" must match the whole name ("aten::exp$" is not aten::expand).
 OP_GROUPS = (
     ("communication", ("c10d::", "gloo", "nccl", "all_reduce", "alltoall", "allgather", "all_gather",
                        "reduce_scatter", "reducescatter", "gatherfrom", "scatterto", "reducefrom", "copyto",
@@ -31,7 +32,7 @@ OP_GROUPS = (
     ("matmul", ("aten::mm", "aten::addmm", "aten::bmm", "matmul", "linear", "einsum", "_grouped_mm",
                 "aten::baddbmm")),
     ("attention", ("softmax", "scaled_dot_product", "flash", "attention")),
-    ("ssm scan / conv", ("cumsum", "conv", "segsum", "aten::exp", "softplus", "tril")),
+    ("ssm scan / conv", ("cumsum", "conv", "segsum", "aten::exp$", "softplus", "tril")),
     ("moe permute / index", ("index", "scatter", "gather", "sort", "topk", "nonzero", "masked", "bincount",
                              "histc", "embedding", "where", "permute")),
     ("norms", ("norm", "rsqrt", "aten::pow", "aten::mean", "aten::var")),
@@ -47,7 +48,7 @@ COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "_all_gathe
 def op_group(name: str) -> str:
     low = name.lower()
     for group, keys in OP_GROUPS:
-        if any(k in low for k in keys):
+        if any(low == k[:-1] if k.endswith("$") else k in low for k in keys):
             return group
     return "other"
 
