@@ -12,7 +12,6 @@ The reference therefore saves nothing; it only snapshots and fingerprints.
 """
 from __future__ import annotations
 
-import re
 import shutil
 import struct
 from dataclasses import asdict, dataclass, field
@@ -37,11 +36,10 @@ class StateCheck:
     key: str
     equal: bool
     detail: str = ""
-    allowed: str = ""  # why this inequality is not a resume failure (one narrow, verified rule)
 
     @property
     def ok(self) -> bool:
-        return self.equal or bool(self.allowed)
+        return self.equal
 
 
 @dataclass
@@ -102,10 +100,9 @@ class ResumeReport:
         for p in self.points:
             for component, checks in _by_component(self.checks, p.step).items():
                 bad = [c for c in checks if not c.ok]
-                allowed = sum(1 for c in checks if c.allowed)
                 first = f"rank {bad[0].rank} {bad[0].key}: {bad[0].detail}" if bad else ""
                 table.add_row(str(p.step), component, ",".join(map(str, sorted({c.rank for c in checks}))),
-                              f"{len(checks)}" + (f" ({allowed} allowed)" if allowed else ""), _count_ranks(bad), first,
+                              str(len(checks)), _count_ranks(bad), first,
                               style="red" if bad else None)
             if p.first_output_divergence is None:
                 outputs = f"steps {_span(p.steps_compared)} bit-identical"
@@ -300,27 +297,8 @@ def compare_snapshots(reference_dir, resumed_dir, step: int, rank: int) -> list[
     for component, a, b in _components(ref, res):
         for key, va, vb in _leaves(a, b, ""):
             equal, detail = bitwise_equal(va, vb)
-            allowed = "" if equal or component != "optimizer" else _megatron_group_step(key, a, b)
-            checks.append(StateCheck(step, rank, component, key or component, equal, detail, allowed))
+            checks.append(StateCheck(step, rank, component, key or component, equal, detail))
     return checks
-
-
-_GROUP_STEP = re.compile(r"(optimizer\d+\.group\d+)\.step")
-
-
-def _megatron_group_step(key: str, ref: dict, res: dict) -> str:
-    """megatron's DistributedOptimizer.state_dict() moves torch Adam's per-parameter 'step' into each
-    param group to serialize it, and load_state_dict() leaves that key in the live groups. torch
-    Adam reads only state[p]['step'] (compared bitwise as its own leaves), so a group 'step' present
-    only after the restore is allowed, and only when it equals the step of every parameter restored."""
-    m = _GROUP_STEP.fullmatch(key)
-    if not m or key in ref or key not in res:
-        return ""
-    steps = [v for k, v in res.items() if k.endswith(".step") and k.startswith(f"{m[1]}.param")]
-    if not steps or any(float(s) != res[key] for s in steps):
-        return ""
-    return (f"megatron DistributedOptimizer leaves the serialized step ({res[key]!r}) in the restored param "
-            f"group; torch Adam reads the per-parameter step, equal in all {len(steps)} parameters")
 
 
 def _components(ref: dict, res: dict):

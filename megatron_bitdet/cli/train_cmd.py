@@ -89,6 +89,9 @@ def check_layout(recipe, nproc: int) -> None:
     from megatron_bitdet.errors import BitdetInputError
 
     p = recipe.parallel
+    if recipe.model.has("E") and p.tensor > 1 and not p.sequence_parallel:
+        raise BitdetInputError(f"parallel.tensor={p.tensor} with MoE layers needs parallel.sequence_parallel=true "
+                               "(megatron-core refuses MoE with tensor parallelism but without sequence parallelism)")
     model_parallel = p.tensor * p.pipeline * p.context
     if nproc % model_parallel:
         raise BitdetInputError(f"--nproc {nproc} is not divisible by tensor x pipeline x context = {model_parallel}")
@@ -103,6 +106,9 @@ def check_layout(recipe, nproc: int) -> None:
                                    f"parallel.expert={p.expert}")
     dp = nproc // model_parallel
     t = recipe.training
+    if t.lr_schedule.warmup_iters >= t.iterations:
+        raise BitdetInputError(f"training.lr_schedule.warmup_iters={t.lr_schedule.warmup_iters} must be < "
+                               f"training.iterations={t.iterations} (megatron's scheduler needs decay steps)")
     if t.global_batch_size % (t.micro_batch_size * dp):
         raise BitdetInputError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
                                f"micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")

@@ -187,7 +187,9 @@ def _saved_steps(tree) -> set:
 def _restore_adam_steps(optimizer, loaded: dict) -> None:
     """megatron 0.16.1 + torch Adam restores "step" wrongly on two counts: the dp_reshardable loader
     copies the (unsaved) per-param step back over the restored one, and the restored ones share a
-    single tensor that torch increments once per param. Each param gets its own copy of the saved step."""
+    single tensor that torch increments once per param. Each param gets its own copy of the saved step,
+    and the serialized copy megatron leaves in each param group is dropped, so the live state equals
+    an uninterrupted run's."""
     steps = _saved_steps(loaded)
     if len(steps) > 1:
         raise BitdetInputError(f"checkpoint optimizer state holds inconsistent steps {sorted(steps)}")
@@ -195,6 +197,8 @@ def _restore_adam_steps(optimizer, loaded: dict) -> None:
         for param_state in opt.optimizer.state.values():
             if "step" in param_state and steps:
                 param_state["step"] = torch.tensor(next(iter(steps)), dtype=torch.float32)
+        for group in opt.optimizer.param_groups:
+            group.pop("step", None)  # the serialized copy; torch Adam reads only the per-param step
 
 
 def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int) -> tuple[int, dict]:

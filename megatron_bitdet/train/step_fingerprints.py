@@ -16,7 +16,9 @@ def fingerprint_path(run_dir, rank: int) -> Path:
 
 
 class StepFingerprintWriter:
-    """Appends whole lines only; each is flushed and fsync'd so a crash loses at most the step in flight."""
+    """Appends whole lines only, each flushed to the OS at once: a crashed or killed rank loses at most
+    the step in flight. fsync (surviving a machine crash too) happens at close, not per step: it was
+    two thirds of the fingerprint cost."""
 
     def __init__(self, run_dir, rank: int):
         path = fingerprint_path(run_dir, rank)
@@ -34,9 +36,10 @@ class StepFingerprintWriter:
         }
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._f.flush()
-        os.fsync(self._f.fileno())
 
     def close(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
         self._f.close()
 
 
