@@ -24,14 +24,13 @@ def enforce(rank: int, world_size: int, *, recipe: dict, **_unused) -> None:
     """Runs before the process group exists (the launcher's ``before_process_group`` hook), so a
     late application is impossible by construction."""
     from megatron_bitdet.enforce import enable
-    from megatron_bitdet.patching import declared_ids
     from megatron_bitdet.recipe import Recipe
 
     for category, message in _QUIET:
         warnings.filterwarnings("ignore", message=message, category=category)
     logging.getLogger("megatron.core.ssm.mamba_mixer").setLevel(logging.ERROR)
     recipe = Recipe.from_dict(recipe, source="<run recipe>")
-    enforcement = enable(recipe, rank=rank, world_size=world_size, available_swaps=declared_ids())
+    enforcement = enable(recipe, rank=rank, world_size=world_size)
     for warning in enforcement.warnings:
         print(f"[bitdet] warning: {warning}", file=sys.stderr, flush=True)
     _ENFORCEMENT.update(recipe=recipe, enforcement=enforcement)
