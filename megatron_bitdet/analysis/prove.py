@@ -174,7 +174,7 @@ def verdict_table(result: ProveResult):
         table.add_row(v.guarantee, "[green]holds" if v.holds else "[bold red]BROKEN", v.evidence)
     if result.tax:
         table.add_row("determinism tax (cost, not a guarantee)", f"{result.tax.tax_percent:+.1f}%",
-                      result.tax.summary())
+                      result.tax.summary() + "; a short look: `bitdet tax` / benchmarks/bench_tax.py measure longer")
     elif result.tax_error:
         table.add_row("determinism tax", "not measured", result.tax_error)
     return table
