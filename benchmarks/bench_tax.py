@@ -20,7 +20,7 @@ def main() -> int:
     from rich.console import Console
 
     from megatron_bitdet.analysis.tax import measure_tax
-    from megatron_bitdet.cli.tax_cmd import tax_table
+    from megatron_bitdet.cli.tax_cmd import print_tax
     from megatron_bitdet.recipe import load_recipe
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -33,12 +33,8 @@ def main() -> int:
     out = tempfile.mkdtemp(prefix="bench_tax_")
     result = measure_tax(load_recipe(args.recipe, args.overrides), nproc=args.nproc, rounds=args.rounds,
                          warmup=args.warmup, out_dir=out)
-    console = Console()
-    console.print(tax_table(result))
-    for note in result.notes:
-        console.print(f"• {note}")
-    console.print(result.summary())
-    console.print(f"raw: {out}/tax.json")
+    print_tax(result, Console())
+    print(f"raw: {out}/tax.json")
     return 0
 
 

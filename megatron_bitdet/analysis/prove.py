@@ -165,16 +165,17 @@ def _render(result: ProveResult, run_a: Path, run_b: Path) -> Path:
 
 
 def verdict_table(result: ProveResult):
+    from rich.markup import escape
     from rich.table import Table
 
     table = Table(title="bitdet prove: verdicts")
     for col in ("guarantee", "verdict", "evidence"):
         table.add_column(col, overflow="fold")
     for v in result.verdicts:
-        table.add_row(v.guarantee, "[green]holds" if v.holds else "[bold red]BROKEN", v.evidence)
+        table.add_row(v.guarantee, "[green]holds" if v.holds else "[bold red]BROKEN", escape(v.evidence))
     if result.tax:
         table.add_row("determinism tax (cost, not a guarantee)", f"{result.tax.tax_percent:+.1f}%",
-                      result.tax.summary() + "; a short look: `bitdet tax` / benchmarks/bench_tax.py measure longer")
+                      escape(result.tax.summary()) + "; a short look: `bitdet tax` / benchmarks/bench_tax.py measure longer")
     elif result.tax_error:
-        table.add_row("determinism tax", "not measured", result.tax_error)
+        table.add_row("determinism tax", "not measured", escape(result.tax_error))
     return table

@@ -30,13 +30,14 @@ def register(subparsers, summary):
 
 def tax_table(result):
     """Rich table: one column per configuration, the baseline marked."""
+    from rich.markup import escape
     from rich.table import Table
 
     sides = [result.deterministic, *result.candidates]
     table = Table(title=f"determinism tax: {result.tax_percent:+.2f}%  (paired {result.paired_tax_percent:+.2f}%)")
     table.add_column("")
     for s in sides:
-        table.add_column(s.name + (" ◀ baseline" if s is result.baseline else ""), justify="right")
+        table.add_column(escape(s.name) + (" ◀ baseline" if s is result.baseline else ""), justify="right")
     rows = [
         ("step time median (ms)", lambda s: f"{s.median_ms:.2f}"),
         ("p10 – p90 (ms)", lambda s: f"{s.p10_ms:.1f} – {s.p90_ms:.1f}"),
@@ -50,6 +51,16 @@ def tax_table(result):
     for label, fn in rows:
         table.add_row(label, *[fn(s) for s in sides])
     return table
+
+
+def print_tax(result, console) -> None:
+    """Table, notes and summary (names like ``baseline[grouped]`` escaped from rich markup)."""
+    from rich.markup import escape
+
+    console.print(tax_table(result))
+    for note in result.notes:
+        console.print(f"• {escape(note)}")
+    console.print(escape(result.summary()))
 
 
 def run(args) -> int:
@@ -67,9 +78,6 @@ def run(args) -> int:
         print(result.to_json())
         return 0
     console = Console()
-    console.print(tax_table(result))
-    for note in result.notes:
-        console.print(f"• {note}")
-    console.print(result.summary())
+    print_tax(result, console)
     console.print(f"details: {out}/tax.json")
     return 0
