@@ -171,21 +171,12 @@ def _activate(side: Side) -> None:
 
 def _build(side: Side, provider) -> None:
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import finalize_model_grads
 
-    from megatron_bitdet.model.builder import transformer_config
     from megatron_bitdet.train.data import build_train_data
-    from megatron_bitdet.train.setup import TrainState, build_model, build_optimizer, set_seeds
+    from megatron_bitdet.train.setup import build_trainable
 
     _activate(side)
-    set_seeds(side.recipe.training.seed)
-    config = transformer_config(side.recipe, swapped=[w["id"] for w in side.swaps])
-    ddp_modules = build_model(side.recipe, config, provider)
-    optimizer, scheduler = build_optimizer(side.recipe, config, ddp_modules)
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = ddp_modules[0].no_sync
-    side.state = TrainState(side.recipe, config, ddp_modules, optimizer, scheduler, None, side.patches, [])
+    side.state = build_trainable(side.recipe, swaps=side.swaps, provider=provider, patches=side.patches)
     t = side.recipe.training
     side.data = build_train_data(
         side.recipe.data, seq_length=side.recipe.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,

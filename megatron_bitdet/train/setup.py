@@ -82,22 +82,32 @@ def build_optimizer(recipe, config, ddp_modules):
     return optimizer, scheduler
 
 
-def setup(recipe, enforcement, *, provider) -> TrainState:
-    """Order matters: CPU seams before megatron modules that import GPU packages, patches before the
-    spec is built, parallel state and seeds before the model."""
+def build_trainable(recipe, *, swaps, provider, enforcement=None, patches=(), seams=()) -> TrainState:
+    """Seeds, config, model, DDP, optimizer, scheduler and megatron's grad hooks, on an existing
+    parallel state (``tax`` builds several of these side by side)."""
     from megatron.core.distributed import finalize_model_grads
 
-    from megatron_bitdet import cpu_backend, patching
-    from megatron_bitdet.model.builder import resolve_spec_family, transformer_config
+    from megatron_bitdet.model.builder import transformer_config
 
-    seams = cpu_backend.install()
-    patches = patching.apply_for(recipe, family=resolve_spec_family(recipe), swaps=enforcement.rules.swaps)
-    init_parallel(recipe)
     set_seeds(recipe.training.seed)
-    config = transformer_config(recipe, swapped=[s["id"] for s in enforcement.rules.swaps])
+    config = transformer_config(recipe, swapped=[s["id"] for s in swaps])
     ddp_modules = build_model(recipe, config, provider)
     optimizer, scheduler = build_optimizer(recipe, config, ddp_modules)
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp_modules[0].no_sync
-    return TrainState(recipe, config, ddp_modules, optimizer, scheduler, enforcement, patches, seams)
+    return TrainState(recipe, config, ddp_modules, optimizer, scheduler, enforcement, list(patches), list(seams))
+
+
+def setup(recipe, enforcement, *, provider) -> TrainState:
+    """Order matters: CPU seams before megatron modules that import GPU packages, patches before the
+    spec is built, parallel state and seeds before the model."""
+    from megatron_bitdet import cpu_backend, patching
+    from megatron_bitdet.model.builder import resolve_spec_family
+
+    seams = cpu_backend.install()
+    swaps = enforcement.rules.swaps
+    patches = patching.apply_for(recipe, family=resolve_spec_family(recipe), swaps=swaps)
+    init_parallel(recipe)
+    return build_trainable(recipe, swaps=swaps, provider=provider, enforcement=enforcement,
+                           patches=patches, seams=seams)
