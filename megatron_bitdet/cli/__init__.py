@@ -32,13 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, summary in SUBCOMMANDS.items():
-        try:
-            mod = importlib.import_module(f"megatron_bitdet.cli.{name}_cmd")
-        except ModuleNotFoundError as exc:
-            if exc.name != f"megatron_bitdet.cli.{name}_cmd":
-                raise
-            continue  # subcommand not built yet
-        mod.register(sub, summary)
+        importlib.import_module(f"megatron_bitdet.cli.{name}_cmd").register(sub, summary)
     return parser
 
 
