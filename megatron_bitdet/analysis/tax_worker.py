@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import functools
 import json
-import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -110,21 +109,10 @@ class CommTimer:
     @contextmanager
     def installed(self):
         """Swap the collectives in torch.distributed and in every megatron module alias of them."""
-        import torch.distributed.distributed_c10d as c10d
+        from megatron_bitdet.trace.collectives import swap_collectives
 
-        originals = {id(getattr(c10d, n)): self._wrap(getattr(c10d, n)) for n in COLLECTIVES if hasattr(c10d, n)}
-        swapped = []
-        mods = [dist, c10d] + [m for n, m in list(sys.modules.items()) if n.startswith("megatron") and m]
-        for mod in mods:
-            for attr, val in list(vars(mod).items()):
-                if callable(val) and id(val) in originals:
-                    setattr(mod, attr, originals[id(val)])
-                    swapped.append((mod, attr, val))
-        try:
+        with swap_collectives(lambda _name, fn: self._wrap(fn), COLLECTIVES):
             yield self
-        finally:
-            for mod, attr, val in swapped:
-                setattr(mod, attr, val)
 
 
 class PeakMemory:

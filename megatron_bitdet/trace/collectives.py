@@ -172,13 +172,10 @@ def _targets():
 
 
 @contextmanager
-def installed(tracer):
-    if not dist.is_available():
-        yield
-        return
-    originals = {n: getattr(c10d, n) for n in (*SPECS, "batch_isend_irecv") if hasattr(c10d, n)}
-    wrappers = {id(f): (_wrap_batch(tracer, f) if n == "batch_isend_irecv" else _wrap(tracer, n, f))
-                for n, f in originals.items()}
+def swap_collectives(wrap, names):
+    """Replace the c10d functions ``names`` by ``wrap(name, fn)`` wherever they are bound —
+    torch.distributed, c10d and megatron's import-time aliases — and restore them on exit."""
+    wrappers = {id(f): wrap(n, f) for n in names if (f := getattr(c10d, n, None)) is not None}
     swapped = []
     for mod in _targets():
         for attr, val in list(vars(mod).items()):
@@ -191,3 +188,16 @@ def installed(tracer):
     finally:
         for mod, attr, val in swapped:
             setattr(mod, attr, val)
+
+
+@contextmanager
+def installed(tracer):
+    if not dist.is_available():
+        yield
+        return
+
+    def wrap(name, fn):
+        return _wrap_batch(tracer, fn) if name == "batch_isend_irecv" else _wrap(tracer, name, fn)
+
+    with swap_collectives(wrap, (*SPECS, "batch_isend_irecv")):
+        yield

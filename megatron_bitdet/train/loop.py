@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from megatron_bitdet.train.console import Console
-from megatron_bitdet.train.step_fingerprints import StepFingerprintWriter, buffer_digest
+from megatron_bitdet.train.step_fingerprints import StepFingerprintWriter, buffer_digest, ddp_buffers
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -55,11 +55,6 @@ def _lm_loss(losses_reduced):
     return total[0] / total[1]
 
 
-def _buffers(ddp_modules, attr: str) -> list:
-    """megatron DDP's contiguous ``param_data`` / ``grad_data`` buffers, dense then expert-parallel."""
-    return [getattr(b, attr) for m in ddp_modules for b in (*m.buffers, *m.expert_parallel_buffers)]
-
-
 def _optimizer_state(optimizer) -> list:
     """Every tensor of the inner torch optimizers' state, in parameter-group order."""
     out = []
@@ -84,7 +79,7 @@ def _traced_step(tracer, state, step: int):
     def traced_finalize(*args, **kwargs):
         with tracer.phase("grad_reduce"):
             result = finalize(*args, **kwargs)
-            tracer.event("grad_buffers", _buffers(state.ddp_modules, "grad_data"), scope="ddp")
+            tracer.event("grad_buffers", ddp_buffers(state.ddp_modules, "grad_data"), scope="ddp")
         return result
 
     config.finalize_model_grads_func = traced_finalize
@@ -124,9 +119,9 @@ def _optimizer_step(state, tracer):
         return state.optimizer.step()
     with tracer.phase("optimizer"):
         model = state.ddp_modules
-        before = tracer.fps([*_buffers(model, "param_data"), *_buffers(model, "grad_data")])
+        before = tracer.fps([*ddp_buffers(model, "param_data"), *ddp_buffers(model, "grad_data")])
         result = state.optimizer.step()
-        after = tracer.fps([*_buffers(model, "param_data"), *_optimizer_state(state.optimizer)])
+        after = tracer.fps([*ddp_buffers(model, "param_data"), *_optimizer_state(state.optimizer)])
         tracer.record("event", "optimizer.step", before, after, scope="optimizer")
     return result
 

@@ -43,11 +43,11 @@ class StepFingerprintWriter:
         self._f.close()
 
 
+def ddp_buffers(ddp_modules, attr: str) -> list:
+    """megatron DDP's contiguous ``param_data`` or ``grad_data`` buffers on this rank, dense then expert."""
+    return [getattr(b, attr) for m in ddp_modules for b in (*m.buffers, *m.expert_parallel_buffers)]
+
+
 def buffer_digest(ddp_modules, attr: str) -> str:
-    """Digest of megatron DDP's contiguous ``param_data`` or ``grad_data`` buffers on this rank: one
-    hash over a few large tensors, negligible next to a step."""
-    tensors = []
-    for m in ddp_modules:
-        for i, buf in enumerate(list(m.buffers) + list(m.expert_parallel_buffers)):
-            tensors.append((f"buf{i}", getattr(buf, attr)))
-    return state_digest(tensors)
+    """Digest of the rank's DDP buffers: one hash over a few large tensors, negligible next to a step."""
+    return state_digest((f"buf{i}", t) for i, t in enumerate(ddp_buffers(ddp_modules, attr)))
