@@ -135,10 +135,11 @@ def child_env(recipe) -> dict:
 
 def launch_training(recipe, *, nproc: int, run_dir, save=None, save_interval=None, load=None,
                     model_provider=None, stop_at=None, argv=None, snapshot_at=(), fault_skip_restore=(),
-                    trace=None) -> int:
+                    trace=None, worker="megatron_bitdet.train.worker:worker", worker_args=None) -> int:
     """Train ``recipe`` on ``nproc`` local ranks (or join torchrun); returns the exit code.
 
-    ``trace``: None (off) or ``{"level", "steps": [a, b], "ranks": [...] | None, "hash"}``."""
+    ``trace``: None (off) or ``{"level", "steps": [a, b], "ranks": [...] | None, "hash"}``.
+    ``worker``: a rank entry wrapping ``train.worker.worker`` (replay), given ``worker_args`` too."""
     from megatron_bitdet.train.launch import launch
 
     check_layout(recipe, nproc)
@@ -148,8 +149,9 @@ def launch_training(recipe, *, nproc: int, run_dir, save=None, save_interval=Non
         "recipe": recipe.to_dict(), "run_dir": str(run_dir), "save": save, "save_interval": interval,
         "load": load, "model_provider": model_provider, "stop_at": stop_at, "argv": argv,
         "snapshot_at": list(snapshot_at), "fault_skip_restore": list(fault_skip_restore), "trace": trace,
+        **(worker_args or {}),
     }
-    return launch("megatron_bitdet.train.worker:worker", nproc, args, run_dir=run_dir, env=child_env(recipe),
+    return launch(worker, nproc, args, run_dir=run_dir, env=child_env(recipe),
                   console_rank=-1)
 
 

@@ -39,7 +39,8 @@ def enforce(rank: int, world_size: int, *, recipe: dict, **_unused) -> None:
 def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str | None = None,
            save_interval: int = 0, load: str | None = None, model_provider: str | None = None,
            stop_at: int | None = None, argv: list | None = None, snapshot_at: list | None = None,
-           fault_skip_restore: list | None = None, trace: dict | None = None) -> int:
+           fault_skip_restore: list | None = None, trace: dict | None = None, hooks=()) -> int:
+    """``hooks``: ``StepHook`` objects, from a worker that wraps this one in-process (replay)."""
     from megatron.core import parallel_state as ps
 
     from megatron_bitdet.enforce import build_manifest, write_manifest
@@ -96,7 +97,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
     try:
         train_steps(state, data, run_dir=run_dir, start=start, stop=stop, save_root=save_root,
                     save_interval=save_interval, manifest=manifest, console=console,
-                    snapshot_at=snapshot_at - {start}, tracer=tracer)
+                    snapshot_at=snapshot_at - {start}, tracer=tracer, hooks=hooks)
     finally:
         console.close()
         if tracer is not None:
