@@ -161,9 +161,14 @@ def test_bad_input_exits_2_before_any_launch(tmp_path, capsys, argv, message):
     assert not (run / "replay" / "step_7" / "logs").exists()
 
 
-def test_no_manifest_or_no_run_exits_2(tmp_path, capsys):
+def test_no_run_or_no_manifest_exits_2(tmp_path, capsys):
     assert main(["replay", str(tmp_path / "missing"), "--step", "1"]) == 2
-    assert "no such run directory" in capsys.readouterr().err
+    assert "no fingerprints/ directory" in capsys.readouterr().err
+    (tmp_path / "run" / "fingerprints").mkdir(parents=True)
+    (tmp_path / "run" / "fingerprints" / "rank_00000.jsonl").write_text(
+        json.dumps({"v": 1, "step": 1, "rank": 0, "metrics": {}}) + "\n")
+    assert main(["replay", str(tmp_path / "run"), "--step", "1"]) == 2
+    assert "no manifest.json" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("content, where", [

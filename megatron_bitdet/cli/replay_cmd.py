@@ -37,6 +37,9 @@ def register(subparsers, summary):
     p.add_argument("--out", metavar="DIR", help="replay directory (default RUN_DIR/replay/step_K...)")
     p.add_argument("--counterfactual", action="append", default=[], metavar="CHANGE",
                    help="replay K with one change (repeatable: one replay each)")
+    p.add_argument("--dump", action="store_true",
+                   help="then replay once more saving the top module's inputs, outputs and output gradients at K "
+                        "(OUT/dump/MODULE.rank_R.pt, torch.load(..., weights_only=True))")
     p.add_argument("--top", type=int, default=8, metavar="N", help="modules to print (default 8)")
     p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
     p.set_defaults(func=run)
@@ -117,12 +120,16 @@ def run(args) -> int:
 
     changes = [parse_change(c) for c in args.counterfactual]  # all checked before any launch
     common = dict(out=args.out, context=args.context, overrides=args.overrides, checkpoints=args.checkpoints)
+    if args.dump and changes:
+        from megatron_bitdet.errors import BitdetInputError
+
+        raise BitdetInputError("--dump goes with the plain replay, not with --counterfactual")
     if args.out and len(changes) > 1:
         from megatron_bitdet.errors import BitdetInputError
 
         raise BitdetInputError("--out with several --counterfactual: each replay needs its own directory")
     results = [replay(args.run_dir, args.step, change=c, **common) for c in changes] if changes else \
-        [replay(args.run_dir, args.step, **common)]
+        [replay(args.run_dir, args.step, dump=args.dump, **common)]
     if args.json:
         print(json.dumps([r.to_json() for r in results] if changes else results[0].to_json(), indent=1))
     else:
@@ -133,4 +140,7 @@ def run(args) -> int:
             _print_verification(console, results[0])
             if results[0].verdict == "reproduced":
                 _print_ranking(console, results[0], args.top)
+            if results[0].dump:
+                console.print(f"dumped {results[0].ranking[0]['module']} at step {args.step}: {results[0].dump}",
+                              markup=False)
     return max(r.exit_code for r in results)

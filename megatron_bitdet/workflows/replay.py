@@ -80,6 +80,7 @@ class ReplayResult:
     ranking: list[dict] = field(default_factory=list)
     per_rank: dict = field(default_factory=dict)
     routers: dict = field(default_factory=dict)
+    dump: str | None = None
     note: str = ""
 
     @property
@@ -178,15 +179,26 @@ def _loss(run, step: int) -> float | None:
 
 
 def replay(run_dir, step: int, *, out=None, context: int = 2, overrides=(), checkpoints=None,
-           change: dict | None = None) -> ReplayResult:
-    """Replay ``step`` of ``run_dir`` (see the module docstring); the result is also written to OUT/replay.json."""
+           change: dict | None = None, dump: bool = False) -> ReplayResult:
+    """Replay ``step`` of ``run_dir`` (see the module docstring); the result is also written to OUT/replay.json.
+    ``dump``: replay once more (verified again) saving the top module's inputs, outputs and output
+    gradients at ``step`` on the rank where it departs most, to OUT/dump/<module>.rank_R.pt."""
     result = _replay(Path(run_dir), step, out=out, context=context, overrides=overrides, checkpoints=checkpoints,
                      change=change)
+    if dump and result.ranking:
+        top = result.ranking[0]
+        path = Path(result.out) / "dump" / f"{top['module']}.rank_{top['rank']}.pt"
+        again = _replay(Path(run_dir), step, out=Path(result.out) / "dump", context=context, overrides=overrides,
+                        checkpoints=checkpoints, change=None,
+                        dump={"module": top["module"], "rank": top["rank"], "path": str(path)})
+        if again.verdict != "reproduced" or not path.is_file():
+            raise BitdetError(f"the dump replay into {again.out} did not reproduce the original: {again.cause}")
+        result.dump = str(path)
     (Path(result.out) / RESULT).write_text(json.dumps(result.to_json(), indent=1) + "\n")
     return result
 
 
-def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, change) -> ReplayResult:
+def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, change, dump=None) -> ReplayResult:
     original = load_run(run_dir, "bitdet")
     if original.manifest is None:
         raise BitdetInputError(f"{run_dir}: no manifest.json (was the run made by bitdet train?)")
@@ -210,12 +222,12 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
     out = Path(out) if out else run_dir / "replay" / re.sub(r"[^\w.-]", "", name)
     if out.resolve() == run_dir.resolve():
         raise BitdetInputError("--out must differ from the run directory")
-    for stale in ("fingerprints", "stats", "logs", "manifest.json", RESULT):
+    for stale in ("fingerprints", "stats", "logs", "dump", "manifest.json", RESULT):
         target = out / stale
         shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
     result = ReplayResult(str(run_dir), step, str(out), checkpoint, list(range(first, step + 1)), change=change)
     verify_until = step - 1 if change else step
-    stats_steps = [first, step]
+    stats_steps = None if dump else [first, step]
     from megatron_bitdet.cli.train_cmd import launch_training
 
     argv = ["bitdet", "replay", str(run_dir), "--step", str(step)]
@@ -226,7 +238,7 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
                          stop_at=step, model_provider=spec.model_provider, argv=argv, save_interval=0,
                          worker=WORKER, worker_args={"replay": {
                              "original": str(run_dir), "verify_until": verify_until, "stats_steps": stats_steps,
-                             "change": change, "step": step}})
+                             "change": change, "step": step, "dump": dump}})
     if rc != 0:
         raise BitdetError(f"the replay into {out} failed (exit {rc}); see {out}/logs/")
     cmp = compare_runs(run_dir, out, force=True)
@@ -251,8 +263,8 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
         result.previous_range = (min(losses), max(losses))
         if change is not None and step in result.loss:
             result.within_range = result.loss[step] <= result.previous_range[1]
-    if not previous:
-        result.note = "no replayed step before K to compare with: use --context >= 1"
+    if not previous or dump:
+        result.note = "" if dump else "no replayed step before K to compare with: use --context >= 1"
         return result
     stats = load_stats(out, spec.nproc)
     per_rank = {r: rank_modules(stats[r], step, previous, r) for r in stats}

@@ -3,16 +3,19 @@
 - ``Verify`` compares every replayed step's fingerprint line with the original run's, bit for bit, and
   stops every rank after the first step that differs on any rank (one all-reduce of a flag per step);
 - ``Change`` applies one counterfactual change at the replayed step only;
-- ``Stats`` records per-module statistics of each step (``trace.module_stats``).
+- ``Stats`` records per-module statistics of each step (``trace.module_stats``);
+- ``Dump`` saves one module's inputs, outputs and output gradients at the step.
 """
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import torch
 
 from megatron_bitdet.analysis.fingerprints_io import read_rank_file
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.trace.digest import trace_tensors
 from megatron_bitdet.trace.module_stats import ModuleStats, StatsWriter
 from megatron_bitdet.train.loop import StepHook
 from megatron_bitdet.train.step_fingerprints import fingerprint_path
@@ -40,6 +43,22 @@ def _expert_offset(state) -> int:
     moe = state.recipe.model.moe
     return ps.get_expert_model_parallel_rank() * (moe.num_experts // state.recipe.parallel.expert) \
         if moe.num_experts else 0
+
+
+def resolve_module(state, name: str):
+    """The module named as in the ranking (``expert_<global id>`` for an expert); None when another
+    expert-parallel rank holds that expert."""
+    modules = dict(state.ddp_modules[0].module.named_modules())
+    m = re.fullmatch(r"(.*\.experts)\.expert_(\d+)(\..*)?", name)
+    if m and m.group(1) in modules:
+        local = int(m.group(2)) - _expert_offset(state)
+        if not 0 <= local < modules[m.group(1)].num_local_experts:
+            return None
+        name = f"{m.group(1)}.local_experts.{local}{m.group(3) or ''}"
+    if name not in modules:
+        near = [n for n in modules if n.endswith(name.rpartition(".")[2])][:5]
+        raise BitdetInputError(f"no module {name!r} in the model (e.g. {', '.join(near) or 'decoder.layers.0'})")
+    return modules[name]
 
 
 class Stats(StepHook):
@@ -91,25 +110,10 @@ class Change(StepHook):
         self.saved = None
         self.handle = None
 
-    def _module(self, state, name: str):
-        """The module named as in the ranking (``expert_<global id>`` for an expert); None when another
-        expert-parallel rank holds that expert."""
-        modules = dict(state.ddp_modules[0].module.named_modules())
-        m = re.fullmatch(r"(.*\.experts)\.expert_(\d+)(\..*)?", name)
-        if m and m.group(1) in modules:
-            local = int(m.group(2)) - _expert_offset(state)
-            if not 0 <= local < modules[m.group(1)].num_local_experts:
-                return None
-            name = f"{m.group(1)}.local_experts.{local}{m.group(3) or ''}"
-        if name not in modules:
-            near = [n for n in modules if n.endswith(name.rpartition(".")[2])][:5]
-            raise BitdetInputError(f"no module {name!r} in the model (e.g. {', '.join(near) or 'decoder.layers.0'})")
-        return modules[name]
-
     def begin(self, step, state, batches):
         c = self.change
         if c["kind"] == "prev-params" and step == self.step - 1:
-            module = self._module(state, c["module"])
+            module = resolve_module(state, c["module"])
             self.saved = None if module is None else [p.detach().clone() for p in module.parameters()]
         if step != self.step:
             return batches
@@ -117,7 +121,7 @@ class Change(StepHook):
             if c.get("rank") is None or c["rank"] == self.rank:
                 return _zero_loss_mask(batches, c["index"])
         elif c["kind"] == "zero-expert":
-            router = self._module(state, f"decoder.layers.{c['layer']}.mlp.router")
+            router = resolve_module(state, f"decoder.layers.{c['layer']}.mlp.router")
             keep = torch.ones(state.recipe.model.moe.num_experts)
             keep[c["expert"]] = 0.0
 
@@ -136,7 +140,7 @@ class Change(StepHook):
                 self.handle.remove()
                 self.handle = None
 
-            self.handle = self._module(state, c["module"]).register_forward_pre_hook(restore)
+            self.handle = resolve_module(state, c["module"]).register_forward_pre_hook(restore)
         return batches
 
     def end(self, step, line):
@@ -146,9 +150,53 @@ class Change(StepHook):
         return False
 
 
+class Dump(StepHook):
+    """Saves one module's inputs, outputs and output gradients at ``step`` (every call) to ``path``
+    (``torch.load(path, weights_only=True)``: {"module", "dumped", "step", "calls": [{"inputs", "outputs",
+    "grad_outputs"}]})."""
+
+    def __init__(self, module: str, step: int, path: str):
+        self.module, self.step, self.path = module, step, path
+        self.calls: list[dict] = []
+        self.handle = None
+
+    def begin(self, step, state, batches):
+        if step != self.step:
+            return batches
+        if resolve_module(state, self.module) is None:
+            raise BitdetInputError(f"--dump: rank {torch.distributed.get_rank()} does not hold {self.module}")
+        expert = re.fullmatch(r"(.*\.experts)\.expert_(\d+)", self.module)
+        # an expert's rows are in its container's input and output, split by tokens_per_expert (the grouped
+        # implementation never calls the expert module itself)
+        self.dumped = expert.group(1) if expert else self.module
+        module = resolve_module(state, self.dumped)
+
+        def keep(mod, args, kwargs, output):
+            call = {"inputs": [t.detach().clone() for t in trace_tensors((args, kwargs))],
+                    "outputs": [t.detach().clone() for t in trace_tensors(output)], "grad_outputs": []}
+            self.calls.append(call)
+            for t in trace_tensors(output):
+                if t.requires_grad:
+                    t.register_hook(lambda g, c=call: c["grad_outputs"].append(g.detach().clone()))
+
+        self.handle = module.register_forward_hook(keep, with_kwargs=True)
+        return batches
+
+    def end(self, step, line):
+        if step == self.step:
+            self.handle.remove()
+            Path(self.path).parent.mkdir(parents=True, exist_ok=True)
+            torch.save({"module": self.module, "dumped": self.dumped, "step": step, "calls": self.calls}, self.path)
+        return False
+
+
 def replay_worker(rank: int, world_size: int, *, replay: dict, **train_args) -> int:
-    """``replay``: {"original", "verify_until", "stats_steps": [a, b] | None, "change": dict | None, "step"}."""
+    """``replay``: {"original", "verify_until", "stats_steps": [a, b] | None, "change": dict | None, "step",
+    "dump": {"module", "rank", "path"} | None}."""
     hooks = [Verify(replay["original"], rank, replay["verify_until"])]
+    dump = replay.get("dump")
+    if dump and dump["rank"] == rank:
+        hooks.append(Dump(dump["module"], replay["step"], dump["path"]))
     if replay.get("change"):  # before Stats: its hooks then see the changed step
         hooks.append(Change(replay["change"], replay["step"], rank))
     if replay.get("stats_steps"):
