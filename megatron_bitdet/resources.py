@@ -21,7 +21,11 @@ def shipped_dir(kind: str) -> Path:
     """The installed directory of one kind of shipped data."""
     if kind not in KINDS:
         raise ValueError(f"unknown kind of shipped data {kind!r}; known: {KINDS}")
-    root = resources.files(f"megatron_bitdet.{kind}")
+    try:
+        root = resources.files(f"megatron_bitdet.{kind}")
+    except ModuleNotFoundError:
+        raise BitdetInputError(f"megatron_bitdet.{kind} is not installed (an install older than the package-data "
+                               "layout?): reinstall megatron-bitdet (pip install -e . / make install)") from None
     if not isinstance(root, Path) or not root.is_dir():
         raise BitdetInputError(f"megatron_bitdet.{kind} is not a directory on disk ({root}); "
                                "install megatron-bitdet unzipped (pip does)")
