@@ -63,6 +63,15 @@ def _print_verification(console, r) -> None:
     span = f"{steps[0]}-{steps[-1]}" if steps else "none"
     console.print(f"replay of {r.run_dir} from {where}: steps {span} bitwise equal to the original "
                   f"(every rank, every metric and digest)", markup=False)
+    if r.loss:
+        losses = ", ".join(f"step {s} {_fmt(v)}" for s, v in sorted(r.loss.items(), key=lambda kv: int(kv[0])))
+        where = ""
+        if r.previous_range and r.step in r.loss:
+            lo, hi = r.previous_range
+            now = r.loss[r.step]
+            where = f" ({'above' if now > hi else 'below' if now < lo else 'within'} the previous range " \
+                    f"{_fmt(lo)} .. {_fmt(hi)})"
+        console.print(f"lm loss: {losses}{where}", markup=False)
     for m in r.scope_differences:
         console.print(f"  note: scope differs in {m['key']} (original {m['a']!r}, replay {m['b']!r}) yet the bits "
                       "match", markup=False)

@@ -14,6 +14,7 @@ bitwise up to K-1, and its loss at K is set against the previous steps' range.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -157,10 +158,17 @@ def _check_change(change: dict, recipe, nproc: int, step: int, first: int) -> No
         raise BitdetInputError(f"prev-params needs step {step - 1} replayed; use --context >= 1")
 
 
-def _cause(cmp, step: int, first: int, checkpoint: int) -> str:
+def _short(v) -> str:
+    text = repr(v)
+    return text if len(text) <= 28 else text[:20] + "…'"
+
+
+def _cause(cmp, step: int, first: int, checkpoint: int, overrides=()) -> str:
     if cmp.scope_mismatches:
-        rows = "; ".join(f"{m['key']}: original {m['a']!r}, replay {m['b']!r}" for m in cmp.scope_mismatches)
-        return f"scope difference: {rows}"
+        keys = sorted(cmp.scope_mismatches, key=lambda m: (m["key"] == "recipe_digest", m["key"]))
+        rows = "; ".join(f"{m['key']}: original {_short(m['a'])}, replay {_short(m['b'])}" for m in keys)
+        asked = f" (the replay was asked for {', '.join(overrides)})" if overrides else ""
+        return f"scope difference: {rows}{asked}"
     if step == first:
         source = f"checkpoint iteration {checkpoint}" if checkpoint else "initialization from the manifest"
         return (f"the scopes are equal, yet the first replayed step differs: the {source} does not give the "
@@ -234,11 +242,12 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
     print(f"[replay] {run_dir}: steps {first}-{step} from "
           f"{'checkpoint iteration ' + str(checkpoint) if ckpt_path else 'the start'}"
           + (f", change at {step}: {describe_change(change)}" if change else ""), file=sys.stderr, flush=True)
-    rc = launch_training(spec.recipe, nproc=spec.nproc, run_dir=out, load=str(ckpt_path) if ckpt_path else None,
-                         stop_at=step, model_provider=spec.model_provider, argv=argv, save_interval=0,
-                         worker=WORKER, worker_args={"replay": {
-                             "original": str(run_dir), "verify_until": verify_until, "stats_steps": stats_steps,
-                             "change": change, "step": step, "dump": dump}})
+    with contextlib.redirect_stdout(sys.stderr):  # the ranks' consoles; stdout is the report
+        rc = launch_training(spec.recipe, nproc=spec.nproc, run_dir=out, load=str(ckpt_path) if ckpt_path else None,
+                             stop_at=step, model_provider=spec.model_provider, argv=argv, save_interval=0,
+                             worker=WORKER, worker_args={"replay": {
+                                 "original": str(run_dir), "verify_until": verify_until,
+                                 "stats_steps": stats_steps, "change": change, "step": step, "dump": dump}})
     if rc != 0:
         raise BitdetError(f"the replay into {out} failed (exit {rc}); see {out}/logs/")
     cmp = compare_runs(run_dir, out, force=True)
@@ -252,7 +261,7 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
         div = cmp.first_divergence
         result.verdict = "diverged"
         result.first_difference = {"step": div.step, "ranks": div.ranks, "metrics": div.metrics}
-        result.cause = _cause(cmp, div.step, first, checkpoint)
+        result.cause = _cause(cmp, div.step, first, checkpoint, overrides)
         return result
     if len(result.verified) != verify_until - first + 1:
         raise BitdetError(f"the replay into {out} stopped early: steps {sorted(done)} of {first}-{step}")
