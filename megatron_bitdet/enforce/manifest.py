@@ -68,7 +68,7 @@ def build_manifest(recipe, enforcement, *, world_size: int, argv=None, extra=Non
         "scope": build_scope(recipe, world_size=world_size, threads=enforcement.threads),
         "env": {name: {"value": s.value, "source": s.source} for name, s in enforcement.env.items()},
         "rules": enforcement.rules.as_manifest(),
-        "patches": [],
+        "patches": list(enforcement.patches),
         "warnings": list(enforcement.warnings),
         "argv": list(sys.argv if argv is None else argv),
     }
