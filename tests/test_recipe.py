@@ -165,3 +165,20 @@ def test_cli_show_and_typo_exit_codes():
     assert "Traceback" not in typo.stderr
     helped = _bitdet("recipe", "validate", "--help")
     assert helped.returncode == 0 and "examples:" in helped.stdout
+
+
+@pytest.mark.parametrize("command", ["recipe validate", "train"])
+@pytest.mark.parametrize("junk", [b"\xff\xfe", b"\x00", b"\xc3("])
+def test_non_utf8_or_unprintable_recipe_exits_2_naming_file_and_line(tmp_path, capsys, command, junk):
+    from megatron_bitdet.cli import main
+
+    text = open(TINY, "rb").read()
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(text.replace(b"hidden_size: 64", b"hidden_size: 6" + junk + b"4", 1))
+    line = text[:text.index(b"hidden_size: 64")].count(b"\n") + 1
+    args = ["train", "--recipe", str(bad), "--nproc", "2", "--run-dir", str(tmp_path / "run")] \
+        if command == "train" else ["recipe", "validate", str(bad)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:{line}: " in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

@@ -162,9 +162,10 @@ def run(args) -> int:
         sys.path.insert(0, os.getcwd())
         load_model_provider(args.model_provider)  # fail here, before any rank starts
     if args.load:
-        from megatron_bitdet.train.checkpoint import resolve_checkpoint
+        from megatron_bitdet.train.checkpoint import resolve_checkpoint, verify_checkpoint
 
-        resolve_checkpoint(args.load)  # an incomplete or foreign checkpoint is refused before any rank starts
+        # an incomplete, foreign or corrupt checkpoint is refused before any rank starts
+        verify_checkpoint(resolve_checkpoint(args.load))
     return launch_training(
         recipe, nproc=args.nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval,
         load=args.load, model_provider=args.model_provider, stop_at=args.stop_at, argv=sys.argv, trace=trace,
