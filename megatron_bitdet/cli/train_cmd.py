@@ -21,7 +21,8 @@ run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, checkpoints/iter_N/
 def add_run_args(p) -> None:
     """Arguments shared by every command that trains (train, verify-resume, prove, tax)."""
     p.add_argument("--recipe", required=True, metavar="YAML", help="bitdet recipe")
-    p.add_argument("--nproc", type=int, default=2, help="ranks on this machine (default 2)")
+    p.add_argument("--nproc", type=int, default=None,
+                   help="ranks on this machine (default 2; under torchrun its WORLD_SIZE)")
     p.add_argument("--deterministic-mode", action="store_true",
                    help="force determinism.mode=true (the recipe's default); determinism.mode=false runs the baseline")
     p.add_argument("--model-provider", metavar="MODULE:FUNC",
@@ -165,7 +166,10 @@ def run(args) -> int:
         from megatron_bitdet.train.checkpoint import resolve_checkpoint
 
         resolve_checkpoint(args.load)  # an incomplete or foreign checkpoint is refused before any rank starts
+    from megatron_bitdet.train.launch import under_torchrun
+
+    nproc = args.nproc or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2)
     return launch_training(
-        recipe, nproc=args.nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval,
+        recipe, nproc=nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval,
         load=args.load, model_provider=args.model_provider, stop_at=args.stop_at, argv=sys.argv, trace=trace,
     )
