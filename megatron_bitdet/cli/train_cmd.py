@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 EXAMPLES = """examples:
-  bitdet train --recipe recipes/nemotron_h_tiny.yaml --deterministic-mode --nproc 2 --run-dir runs/a
-  bitdet train --recipe recipes/nemotron_h_tiny.yaml --nproc 2 --run-dir runs/a --save-interval 4
-  bitdet train --recipe recipes/nemotron_h_tiny.yaml --nproc 2 --run-dir runs/b --load runs/a/checkpoints
+  bitdet train --recipe nemotron_h_tiny --deterministic-mode --nproc 2 --run-dir runs/a
+  bitdet train --recipe nemotron_h_tiny --nproc 2 --run-dir runs/a --save-interval 4
+  bitdet train --recipe nemotron_h_tiny --nproc 2 --run-dir runs/b --load runs/a/checkpoints
   bitdet train --recipe R --nproc 2 --run-dir runs/c --model-provider my_models:provider parallel.tensor=2
   bitdet train --recipe R --nproc 2 --run-dir runs/t --trace op --trace-steps 3-4 --trace-ranks 0
   torchrun --nproc-per-node 8 -m megatron_bitdet train --recipe R --nproc 8 --run-dir runs/gpu   # GPU cluster
@@ -18,10 +18,16 @@ run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, checkpoints/iter_N/
                traces/rank_XXXXX.trace.jsonl (with --trace)"""
 
 
+def _default_nproc() -> int:
+    from megatron_bitdet.train.launch import under_torchrun
+
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2
+
+
 def add_run_args(p) -> None:
     """Arguments shared by every command that trains (train, verify-resume, prove, tax)."""
-    p.add_argument("--recipe", required=True, metavar="YAML", help="bitdet recipe")
-    p.add_argument("--nproc", type=int, default=None,
+    p.add_argument("--recipe", required=True, metavar="RECIPE", help="a shipped recipe's name (e.g. nemotron_h_tiny) or a recipe YAML file")
+    p.add_argument("--nproc", type=int, default=_default_nproc(),
                    help="ranks on this machine (default 2; under torchrun its WORLD_SIZE)")
     p.add_argument("--deterministic-mode", action="store_true",
                    help="force determinism.mode=true (the recipe's default); determinism.mode=false runs the baseline")
@@ -166,10 +172,7 @@ def run(args) -> int:
         from megatron_bitdet.train.checkpoint import resolve_checkpoint
 
         resolve_checkpoint(args.load)  # an incomplete or foreign checkpoint is refused before any rank starts
-    from megatron_bitdet.train.launch import under_torchrun
-
-    nproc = args.nproc or (int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2)
     return launch_training(
-        recipe, nproc=nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval,
+        recipe, nproc=args.nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval,
         load=args.load, model_provider=args.model_provider, stop_at=args.stop_at, argv=sys.argv, trace=trace,
     )
