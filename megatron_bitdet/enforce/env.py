@@ -84,6 +84,10 @@ ENV_TABLE = (
            "recorded: changes kernel/communication overlap scheduling in megatron"),
 )
 ENV_BY_NAME = {v.name: v for v in ENV_TABLE}
+# Tests and benchmarks only: route reductions over an emulated physical ring chosen by this seed
+# (kernels/reductions.py), standing in for the ring another allocation would get. Part of the
+# run's placement, not of its environment scope.
+EMULATED_RING_ENV = "BITDET_EMULATED_RING"
 
 
 @dataclass(frozen=True)

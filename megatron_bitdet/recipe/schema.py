@@ -179,6 +179,9 @@ class DeterminismConfig:
     env: dict[str, str] = field(default_factory=dict)
     opt_out: tuple[str, ...] = ()
     swaps: bool = True  # let registered deterministic variants replace refused features
+    # native: c10d's reductions (bits follow the ring/tree the library and allocation pick);
+    # topology_invariant: exact shard movement + rank-order sums (bits follow the logical layout only)
+    reductions: Literal["native", "topology_invariant"] = "native"
 
 
 @dataclass(frozen=True)
