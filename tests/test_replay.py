@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_bitdet.analysis.spike import Departure, departure_key
 from megatron_bitdet.cli import main
@@ -99,28 +100,36 @@ def test_replay_with_another_thread_count_stops_at_the_first_differing_step_nami
     assert sorted(lines(spike_run.parent / "threads1", 1)) == [5]
 
 
-@pytest.mark.timeout(600)
-def test_counterfactual_with_the_previous_params_brings_the_loss_back(spike_run, capsys):
-    rc, text = replay_cli(capsys, spike_run, "--step", K, "--counterfactual", "prev-params:output_layer")
-    out = spike_run / "replay" / f"step_{K}_previous_steps_params_for_output_layer"
-    r = result(out)
+@pytest.mark.timeout(900)
+def test_counterfactual_that_removes_the_plant_brings_the_loss_back_and_another_does_not(spike_run, capsys):
+    rc, text = replay_cli(capsys, spike_run, "--step", K, "--counterfactual", "prev-params:output_layer",
+                          "--counterfactual", "zero-expert:2.1")
     assert rc == 0, text
-    assert r["verified"] == [5, 6] and r["change"] == {"kind": "prev-params", "module": "output_layer"}
-    for rank in (0, 1):  # bitwise up to the change, different at it
-        orig, rep = lines(spike_run, rank), lines(out, rank)
-        assert rep[5] == orig[5] and rep[6] == orig[6] and rep[7] != orig[7]
-    lo, hi = r["previous_range"]
-    assert r["original_loss"] > hi >= r["loss"][str(K)] and r["within_range"] is True
-    assert "previous step's params for output_layer" in text and "yes" in text
+    base = spike_run / "replay"
+    prev = result(base / f"step_{K}_previous_steps_params_for_output_layer")
+    zero = result(base / f"step_{K}_zero_expert_1s_router_probability_in_layer_2")
+    assert prev["change"] == {"kind": "prev-params", "module": "output_layer"}
+    for r in (prev, zero):
+        assert r["verified"] == [5, 6]
+        for rank in (0, 1):  # bitwise up to the change, different at it
+            orig, rep = lines(spike_run, rank), lines(Path(r["out"]), rank)
+            assert rep[5] == orig[5] and rep[6] == orig[6] and rep[7] != orig[7]
+    lo, hi = prev["previous_range"]
+    assert prev["original_loss"] > hi >= prev["loss"][str(K)] and prev["within_range"] is True
+    assert zero["loss"][str(K)] > hi and zero["within_range"] is False  # not the cause at step 7
+    assert "previous step's params for output_layer" in text and "yes" in text and "no" in text
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_the_planted_expert_ranks_first_and_zeroing_it_brings_the_loss_back(spike_run, capsys):
-    rc, text = replay_cli(capsys, spike_run, "--step", K_EXPERT)
+    rc, text = replay_cli(capsys, spike_run, "--step", K_EXPERT, "--dump")
     r = result(spike_run / "replay" / f"step_{K_EXPERT}")
     assert rc == 0 and r["verified"] == [3, 4, 5]
     assert r["ranking"][0]["module"].startswith(PLANTED_EXPERT) and r["ranking"][0]["rank"] == 0
+    dump = torch.load(r["dump"], weights_only=True)
+    assert dump["module"] == r["ranking"][0]["module"] and dump["step"] == K_EXPERT
+    assert dump["calls"] and all(c["inputs"] and c["outputs"] and c["grad_outputs"] for c in dump["calls"])
     rc, text = replay_cli(capsys, spike_run, "--step", K_EXPERT, "--counterfactual", "zero-expert:2.1", "--json")
     cf = json.loads(text)[0]
     assert rc == 0 and cf["verified"] == [3, 4] and cf["within_range"] is True
@@ -128,7 +137,7 @@ def test_the_planted_expert_ranks_first_and_zeroing_it_brings_the_loss_back(spik
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("change", ["skip-microbatch:0", "zero-expert:5.2",
+@pytest.mark.parametrize("change", ["skip-microbatch:0", "skip-microbatch:1@1", "zero-expert:5.2",
                                     "prev-params:decoder.layers.2.mlp.experts.expert_1"])
 def test_other_counterfactuals_are_verified_up_to_the_change(spike_run, capsys, change):
     rc, text = replay_cli(capsys, spike_run, "--step", K, "--counterfactual", change, "--json")

@@ -250,12 +250,14 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
                                  "stats_steps": stats_steps, "change": change, "step": step, "dump": dump}})
     if rc != 0:
         raise BitdetError(f"the replay into {out} failed (exit {rc}); see {out}/logs/")
-    cmp = compare_runs(run_dir, out, force=True)
-    result.scope_differences = cmp.scope_mismatches
     replay_run = load_run(out, "bitdet")
+    done = set.intersection(*(set(replay_run.steps(r)) for r in replay_run.ranks)) & set(result.replayed)
+    if not done:
+        raise BitdetError(f"the replay into {out} ran no step; see {out}/logs/")
+    cmp = compare_runs(run_dir, out, force=True, steps=sorted(done))
+    result.scope_differences = cmp.scope_mismatches
     result.loss = {s: _loss(replay_run, s) for s in result.replayed if _loss(replay_run, s) is not None}
     diverged = [s for s in cmp.diverged_steps if s <= verify_until]
-    done = set.intersection(*(set(replay_run.steps(r)) for r in replay_run.ranks))
     result.verified = [s for s in result.replayed if s in done and s <= verify_until and (not diverged or s < diverged[0])]
     if diverged:
         div = cmp.first_divergence
