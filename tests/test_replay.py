@@ -146,6 +146,20 @@ def test_other_counterfactuals_are_verified_up_to_the_change(spike_run, capsys, 
     assert r["loss"][str(K)] != r["original_loss"]
 
 
+def fake_run(run: Path, recipe_dict: dict) -> Path:
+    """A run directory with a manifest and 8 steps of fingerprints (inputs refused before any launch)."""
+    (run / "fingerprints").mkdir(parents=True)
+    recipe = load_recipe(RECIPE)
+    manifest = {"bitdet_version": "0.0.1", "created": "x", "recipe": recipe_dict, "recipe_digest": recipe.digest(),
+                "scope": {"world_size": 2}, "env": {}, "rules": {}, "patches": [], "argv": []}
+    (run / "manifest.json").write_text(json.dumps(manifest))
+    for rank in (0, 1):
+        (run / "fingerprints" / f"rank_{rank:05d}.jsonl").write_text("".join(
+            json.dumps({"v": 1, "step": s, "rank": rank, "metrics": {"lm_loss": "float32:40b00000"}}) + "\n"
+            for s in range(1, 9)))
+    return run
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--step", "99"], "step 99 is not in the original run"),
     (["--step", "7", "--counterfactual", "zero-expert:3.1"], "layer 3 is not a MoE layer"),
@@ -156,19 +170,18 @@ def test_other_counterfactuals_are_verified_up_to_the_change(spike_run, capsys, 
     (["model.nonsense=1", "--step", "7"], "model.nonsense"),
 ])
 def test_bad_input_exits_2_before_any_launch(tmp_path, capsys, argv, message):
-    run = tmp_path / "run"
-    (run / "fingerprints").mkdir(parents=True)
-    recipe = load_recipe(RECIPE)
-    manifest = {"bitdet_version": "x", "created": "x", "recipe": recipe.to_dict(), "recipe_digest": recipe.digest(),
-                "scope": {"world_size": 2}, "env": {}, "rules": {}, "patches": [], "argv": []}
-    (run / "manifest.json").write_text(json.dumps(manifest))
-    for rank in (0, 1):
-        (run / "fingerprints" / f"rank_{rank:05d}.jsonl").write_text("".join(
-            json.dumps({"v": 1, "step": s, "rank": rank, "metrics": {"lm_loss": "float32:40b00000"}}) + "\n"
-            for s in range(1, 9)))
+    run = fake_run(tmp_path / "run", load_recipe(RECIPE).to_dict())
     assert main(["replay", str(run), *argv]) == 2
     assert message in capsys.readouterr().err
     assert not (run / "replay" / "step_7" / "logs").exists()
+
+
+def test_a_recipe_this_bitdet_does_not_accept_exits_2(tmp_path, capsys):
+    recipe = load_recipe(RECIPE).to_dict()
+    recipe["model"]["use_fla"] = False  # a key an older bitdet had
+    assert main(["replay", str(fake_run(tmp_path / "run", recipe)), "--step", "7"]) == 2
+    err = capsys.readouterr().err
+    assert "manifest.json: the run's recipe (bitdet 0.0.1) does not validate" in err and "use_fla" in err
 
 
 def test_no_run_or_no_manifest_exits_2(tmp_path, capsys):

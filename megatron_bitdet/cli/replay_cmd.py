@@ -56,13 +56,13 @@ def _print_verification(console, r) -> None:
     if r.verdict == "diverged":
         d = r.first_difference
         console.print(f"replay of {r.run_dir} from {where}: DIFFERS at step {d['step']} on rank(s) {d['ranks']} "
-                      f"({', '.join(d['metrics'][:4])}); stopped there", markup=False)
-        console.print(f"cause: {r.cause}", markup=False)
+                      f"({', '.join(d['metrics'][:4])}); stopped there", markup=False, soft_wrap=True)
+        console.print(f"cause: {r.cause}", markup=False, soft_wrap=True)
         return
     steps = r.verified
     span = f"{steps[0]}-{steps[-1]}" if steps else "none"
     console.print(f"replay of {r.run_dir} from {where}: steps {span} bitwise equal to the original "
-                  f"(every rank, every metric and digest)", markup=False)
+                  f"(every rank, every metric and digest)", markup=False, soft_wrap=True)
     if r.loss:
         losses = ", ".join(f"step {s} {_fmt(v)}" for s, v in sorted(r.loss.items(), key=lambda kv: int(kv[0])))
         where = ""
@@ -71,17 +71,17 @@ def _print_verification(console, r) -> None:
             now = r.loss[r.step]
             where = f" ({'above' if now > hi else 'below' if now < lo else 'within'} the previous range " \
                     f"{_fmt(lo)} .. {_fmt(hi)})"
-        console.print(f"lm loss: {losses}{where}", markup=False)
+        console.print(f"lm loss: {losses}{where}", markup=False, soft_wrap=True)
     for m in r.scope_differences:
         console.print(f"  note: scope differs in {m['key']} (original {m['a']!r}, replay {m['b']!r}) yet the bits "
-                      "match", markup=False)
+                      "match", markup=False, soft_wrap=True)
 
 
 def _print_ranking(console, r, top: int) -> None:
     from rich.table import Table
 
     if r.note:
-        console.print(r.note, markup=False)
+        console.print(r.note, markup=False, soft_wrap=True)
         return
     prev = [s for s in r.replayed if s < r.step]
     table = Table(title=f"step {r.step} against steps {prev[0]}-{prev[-1]}: modules by departure (top {top})")
@@ -95,7 +95,7 @@ def _print_ranking(console, r, top: int) -> None:
     for router, by_step in r.routers.items():
         now = by_step.get(r.step) or by_step.get(str(r.step))
         console.print(f"router load {router} (tokens per expert): step {r.step} {now}; "
-                      + ", ".join(f"step {s} {v}" for s, v in by_step.items() if int(s) != r.step), markup=False)
+                      + ", ".join(f"step {s} {v}" for s, v in by_step.items() if int(s) != r.step), markup=False, soft_wrap=True)
 
 
 def _print_counterfactuals(console, results) -> None:
@@ -119,7 +119,7 @@ def _print_counterfactuals(console, results) -> None:
     console.print(table)
     for r in results:
         if r.verdict == "diverged":
-            console.print(f"{describe_change(r.change)}: cause: {r.cause}", markup=False)
+            console.print(f"{describe_change(r.change)}: cause: {r.cause}", markup=False, soft_wrap=True)
 
 
 def run(args) -> int:
@@ -151,5 +151,5 @@ def run(args) -> int:
                 _print_ranking(console, results[0], args.top)
             if results[0].dump:
                 console.print(f"dumped {results[0].ranking[0]['module']} at step {args.step}: {results[0].dump}",
-                              markup=False)
+                              markup=False, soft_wrap=True)
     return max(r.exit_code for r in results)

@@ -111,7 +111,13 @@ def _spec(run_dir: Path, overrides) -> _Spec:
     issues = apply_overrides(data, {}, overrides)
     if issues:
         raise BitdetInputError("\n".join(issues))
-    recipe = Recipe.from_dict(data, source=f"{run_dir}/manifest.json")
+    try:
+        recipe = Recipe.from_dict(data, source=f"{run_dir}/manifest.json")
+    except BitdetInputError as exc:
+        from megatron_bitdet import __version__
+
+        raise BitdetInputError(f"{run_dir}/manifest.json: the run's recipe (bitdet {m.get('bitdet_version')}) does "
+                               f"not validate under bitdet {__version__}, so it cannot be replayed here:\n{exc}") from None
     provider = m.get("model_provider")
     if provider:
         from megatron_bitdet.model.builder import load_model_provider
