@@ -50,16 +50,9 @@ def build(recipe, enforcement):
 
 
 def train_step(state, data, forward_backward) -> None:
-    from megatron_bitdet.train.loop import _forward_step
+    from megatron_bitdet.train.loop import train_step as loop_step
 
-    for m in state.ddp_modules:
-        m.zero_grad_buffer()
-    state.optimizer.zero_grad()
-    forward_backward(forward_step_func=_forward_step, data_iterator=data, model=state.ddp_modules,
-                     num_microbatches=data.num_microbatches, seq_length=state.recipe.model.seq_length,
-                     micro_batch_size=state.recipe.training.micro_batch_size, forward_only=False)
-    state.optimizer.step()
-    state.scheduler.step(increment=1)
+    loop_step(state, data, forward_backward)
 
 
 def fingerprint(state, writer, step: int) -> float:
@@ -110,9 +103,9 @@ bench_worker.before_process_group = enforce
 
 
 def main() -> int:
-    from megatron_bitdet.cli.train_cmd import child_env
     from megatron_bitdet.recipe import load_recipe
     from megatron_bitdet.train.launch import launch
+    from megatron_bitdet.train.run import child_env
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)

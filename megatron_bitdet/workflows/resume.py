@@ -197,10 +197,10 @@ def _check_faults(faults) -> list[str]:
 
 
 def _launch(recipe, run_dir: Path, what: str, **kwargs) -> Path:
-    from megatron_bitdet.cli.train_cmd import launch_training
+    from megatron_bitdet.train.run import RunOptions, launch_training
 
     shutil.rmtree(run_dir, ignore_errors=True)  # fingerprints append: a stale segment would mix in
-    rc = launch_training(recipe, run_dir=run_dir, **kwargs)
+    rc = launch_training(recipe, RunOptions(run_dir=run_dir, **kwargs))
     if rc != 0:
         raise BitdetError(f"{what} failed (exit code {rc}); logs: {run_dir / 'logs'}")
     return run_dir

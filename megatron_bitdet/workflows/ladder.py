@@ -24,6 +24,7 @@ from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.analysis.localize import PRODUCER, LocalizeConfig, localize_traces
 from megatron_bitdet.enforce.manifest import load_manifest
 from megatron_bitdet.errors import BitdetError, BitdetInputError
+from megatron_bitdet.trace import TraceConfig
 from megatron_bitdet.trace.format import LEVELS
 
 
@@ -107,17 +108,17 @@ def _relaunch_spec(run_dir) -> _Relaunch:
 
 def _relaunch_both(specs, runs, level: str, steps: list[int], ranks) -> list[Path]:
     """Re-run A and B side by side with tracing on in the window; their consoles go to stderr."""
-    from megatron_bitdet.cli.train_cmd import launch_training
+    from megatron_bitdet.train.run import RunOptions, launch_training
 
-    trace = {"level": level, "steps": steps, "ranks": ranks, "hash": "fast"}
+    trace = TraceConfig(level, tuple(steps), None if ranks is None else frozenset(ranks))
     outs = [Path(run) / "ladder" / level for run in runs]
     codes: list = [None, None]
 
     def one(i):
         try:
-            codes[i] = launch_training(specs[i].recipe, nproc=specs[i].nproc, run_dir=outs[i], stop_at=steps[1],
-                                       model_provider=specs[i].model_provider, trace=trace,
-                                       argv=["bitdet", "localize", "(ladder)", level])
+            codes[i] = launch_training(specs[i].recipe, RunOptions(
+                nproc=specs[i].nproc, run_dir=outs[i], stop_at=steps[1], model_provider=specs[i].model_provider,
+                trace=trace, argv=("bitdet", "localize", "(ladder)", level)))
         except BaseException as exc:  # reported below, in this thread
             codes[i] = exc
 

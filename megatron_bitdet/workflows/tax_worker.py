@@ -174,24 +174,14 @@ def _build(side: Side, provider) -> None:
 
 
 def _step(side: Side) -> None:
-    """One training step as ``train.loop.train_steps`` runs it, minus fingerprints and checkpoints."""
+    """The training loop's step (``train.loop.train_step``), minus fingerprints and checkpoints."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
-    from megatron_bitdet.train.loop import _forward_step
+    from megatron_bitdet.train.loop import train_step
 
-    s, r = side.state, side.recipe
-    for m in s.ddp_modules:
-        m.zero_grad_buffer()
-    s.optimizer.zero_grad()
-    get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=side.data, model=s.ddp_modules,
-        num_microbatches=side.data.num_microbatches, seq_length=r.model.seq_length,
-        micro_batch_size=r.training.micro_batch_size, forward_only=False,
-    )
+    train_step(side.state, side.data, get_forward_backward_func())
     side.det_flag_seen.add(torch.are_deterministic_algorithms_enabled())
-    s.optimizer.step()
-    s.scheduler.step(increment=1)
     clear_aux_losses_tracker()
 
 
@@ -241,15 +231,16 @@ def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds:
     from megatron_bitdet.patching import select_patches
     from megatron_bitdet.recipe import Recipe
     from megatron_bitdet.train.setup import init_parallel
-    from megatron_bitdet.train.worker import _ENFORCEMENT
+    from megatron_bitdet.train.worker import enforced
 
     cpu_backend.install()
-    init_parallel(_ENFORCEMENT["recipe"])
+    run_recipe, enforcement = enforced()
+    init_parallel(run_recipe)
     provider = load_model_provider(model_provider)
     built = []
     for s in sides:
         r = Recipe.from_dict(s["recipe"], source=f"<tax {s['name']}>")
-        swaps = list(_ENFORCEMENT["enforcement"].rules.swaps) if s["deterministic"] else []
+        swaps = list(enforcement.rules.swaps) if s["deterministic"] else []
         built.append(Side(s["name"], r, select_patches(r, family=resolve_spec_family(r), swaps=swaps),
                           s["deterministic"], swaps))
     phases = {"start": time.perf_counter()}
