@@ -27,7 +27,7 @@ _ENFORCEMENT: list = []
 def enforce(rank: int, world_size: int, *, recipe: dict, **_unused) -> None:
     """Before the process group, as ``bitdet train``'s worker does (the launcher calls it)."""
     from megatron_bitdet.enforce import enable
-    from megatron_bitdet.patching import declared_ids
+    from megatron_bitdet.compat.patching import declared_ids
     from megatron_bitdet.recipe import Recipe
 
     recipe = Recipe.from_dict(recipe, source="<bench recipe>")

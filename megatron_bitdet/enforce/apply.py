@@ -29,7 +29,7 @@ def plan(recipe, environ=None, available_swaps=None, *, late=True):
     ``available_swaps`` defaults to every patch declared in ``patches/``."""
     environ = os.environ if environ is None else environ
     if available_swaps is None:
-        from megatron_bitdet.patching import declared_ids
+        from megatron_bitdet.compat.patching import declared_ids
 
         available_swaps = declared_ids()
     settings, env_problems = resolve_env(recipe, environ)

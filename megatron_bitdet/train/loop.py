@@ -96,10 +96,9 @@ def _traced_step(tracer, state, step: int):
 def _scratch_is_uninit(tracer) -> None:
     """megatron's global memory buffer is scratch (e.g. the beta=0 operand of attention's baddbmm):
     its contents at a step's start mean nothing, like an aten.empty output's (op-level tracking)."""
-    from megatron.core import parallel_state as ps
+    from megatron_bitdet.compat.buffers import scratch_buffers
 
-    buffer = ps._GLOBAL_MEMORY_BUFFER
-    for t in (buffer.buffer.values() if buffer is not None else ()):
+    for t in scratch_buffers():
         tracer.uninit[t.data_ptr()] = None
 
 

@@ -109,7 +109,7 @@ class CommTimer:
     @contextmanager
     def installed(self):
         """Swap the collectives in torch.distributed and in every megatron module alias of them."""
-        from megatron_bitdet.trace.collectives import swap_collectives
+        from megatron_bitdet.compat.collectives import swap_collectives
 
         with swap_collectives(lambda _name, fn: self._wrap(fn), COLLECTIVES):
             yield self
@@ -145,7 +145,7 @@ class PeakMemory:
 
 def _activate(side: Side) -> None:
     """Make this process run ``side``: its exact patch set and torch's deterministic-algorithms flag."""
-    from megatron_bitdet.patching import applied_patches, apply_patches, load_declarations, revert_patches
+    from megatron_bitdet.compat.patching import applied_patches, apply_patches, load_declarations, revert_patches
 
     have = [p["id"] for p in applied_patches()]
     extra = [i for i in have if i not in side.patches]
@@ -226,9 +226,9 @@ def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds:
     """``sides``: [{"name", "recipe" (dict), "deterministic"}], the deterministic one first."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bitdet import cpu_backend
+    from megatron_bitdet.compat import cpu_backend
     from megatron_bitdet.model.builder import load_model_provider, resolve_spec_family
-    from megatron_bitdet.patching import select_patches
+    from megatron_bitdet.compat.patching import select_patches
     from megatron_bitdet.recipe import Recipe
     from megatron_bitdet.train.setup import init_parallel
     from megatron_bitdet.train.worker import enforced
