@@ -70,7 +70,7 @@ def fingerprint(state, writer, step: int) -> float:
 def bench_worker(rank: int, world_size: int, *, recipe: dict, steps: int, warmup: int, work_dir: str) -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_bitdet.train.step_fingerprints import StepFingerprintWriter
+    from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 
     recipe, enforcement = _ENFORCEMENT[0]
     state, data = build(recipe, enforcement)

@@ -21,13 +21,9 @@ import xxhash
 
 from megatron_bitdet.compat.checkpoint import SHARDED_METADATA, load_optimizer_state, prepare_optimizer_for_load
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.rundir import LATEST, iter_dir
 
 META = "bitdet_meta.json"
-LATEST = "latest"
-
-
-def iter_dir(root, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
 
 
 # ----------------------------------------------------------------------------- RNG

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import torch
 
+from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 from megatron_bitdet.train.console import Console
-from megatron_bitdet.train.step_fingerprints import StepFingerprintWriter, buffer_digest, ddp_buffers
+from megatron_bitdet.train.step_fingerprints import buffer_digest, ddp_buffers
 
 
 def _loss_func(loss_mask, output_tensor):

@@ -11,6 +11,7 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 
 from megatron_bitdet.errors import BitdetInputError, DeterminismViolation
+from megatron_bitdet.rundir import fresh
 from megatron_bitdet.trace import TraceConfig
 
 WORKER = "megatron_bitdet.train.worker:worker"
@@ -31,6 +32,7 @@ class RunOptions:
     snapshot_at: tuple[int, ...] = ()    # live-state snapshots after these iterations (verify-resume)
     fault_skip_restore: tuple[str, ...] = ()  # TEST ONLY: restores skip these components
     trace: TraceConfig | None = None     # None: tracing off, nothing installed
+    fresh: bool = False                  # empty run_dir first (rundir.fresh): nothing stale mixes in
 
     def __post_init__(self):
         object.__setattr__(self, "run_dir", str(self.run_dir))
@@ -103,6 +105,8 @@ def launch_training(recipe, options: RunOptions) -> int:
     from megatron_bitdet.train.launch import launch
 
     check_layout(recipe, options.nproc)
+    if options.fresh:
+        fresh(options.run_dir)
     Path(options.run_dir).mkdir(parents=True, exist_ok=True)
     if options.save_interval is None:
         options = replace(options, save_interval=recipe.checkpoint.save_interval)

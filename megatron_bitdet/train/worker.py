@@ -49,6 +49,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict) -> int:
 
     from megatron_bitdet.enforce import build_manifest, write_manifest
     from megatron_bitdet.model.builder import load_model_provider
+    from megatron_bitdet.rundir import checkpoints_dir, fingerprints_dir
     from megatron_bitdet.train import checkpoint
     from megatron_bitdet.train.data import build_train_data
     from megatron_bitdet.train.loop import train_steps
@@ -99,7 +100,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict) -> int:
             take_snapshot(run_dir, start, rank=rank, ddp_modules=state.ddp_modules, optimizer=state.optimizer,
                           scheduler=state.scheduler, data=data)
     save_interval = opts.save_interval or 0
-    save_root = opts.save or (str(run_dir / "checkpoints") if save_interval else None)
+    save_root = opts.save or (str(checkpoints_dir(run_dir)) if save_interval else None)
     stop = min(opts.stop_at or t.iterations, t.iterations)
     tracer = _tracer(opts.trace, run_dir, rank, world_size, state, manifest)
     try:
@@ -110,7 +111,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict) -> int:
         console.close()
         if tracer is not None:
             tracer.close()
-    console.note(f"fingerprints: {run_dir / 'fingerprints'}" + (f" | checkpoints: {save_root}" if save_root else ""))
+    console.note(f"fingerprints: {fingerprints_dir(run_dir)}" + (f" | checkpoints: {save_root}" if save_root else ""))
     torch.distributed.barrier()
     ps.destroy_model_parallel()
     return 0

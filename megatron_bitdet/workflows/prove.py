@@ -101,6 +101,7 @@ def prove(recipe, *, nproc: int, out_dir, resume_at=None, tax: bool = True, mode
     from megatron_bitdet.analysis.compare import compare_runs
     from megatron_bitdet.workflows.resume import check_resume_at, run_reference, verify_resume
     from megatron_bitdet.errors import BitdetError
+    from megatron_bitdet.rundir import logs_dir
     from megatron_bitdet.train.run import RunOptions, check_layout, launch_training
 
     cfg = config or ProveConfig(tax=tax)
@@ -118,12 +119,9 @@ def prove(recipe, *, nproc: int, out_dir, resume_at=None, tax: bool = True, mode
                                                model_provider=model_provider))
 
     def _run_b():
-        import shutil
-
-        shutil.rmtree(run_b, ignore_errors=True)  # fingerprints append: a stale run would mix in
         if launch_training(recipe, RunOptions(nproc=nproc, run_dir=run_b, save_interval=0,
-                                              model_provider=model_provider)):
-            raise BitdetError(f"run B failed; logs: {run_b / 'logs'}")
+                                              model_provider=model_provider, fresh=True)):
+            raise BitdetError(f"run B failed; logs: {logs_dir(run_b)}")
     stages.run(names[1], _run_b)
     resume = stages.run(names[2], lambda: verify_resume(recipe, steps, nproc=nproc, out_dir=out / "resume",
                                                         model_provider=model_provider, reference_dir=run_a))

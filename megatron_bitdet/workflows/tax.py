@@ -18,6 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from megatron_bitdet.errors import BitdetError, BitdetInputError
+from megatron_bitdet.rundir import logs_dir
 
 WORKER = "megatron_bitdet.workflows.tax_worker:tax_worker"
 QUIET_PROFILER = {"KINETO_LOG_LEVEL": "6"}  # above every kineto level: no "profiler_start" lines per session
@@ -161,7 +162,7 @@ def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_di
                                 "model_provider": model_provider},
                 run_dir=out_dir, env={**child_env(recipe), **QUIET_PROFILER}, console_rank=-1)
     if rc != 0 or not raw.exists():
-        raise BitdetError(f"tax measurement failed (exit {rc}); rank logs: {out_dir / 'logs'}")
+        raise BitdetError(f"tax measurement failed (exit {rc}); rank logs: {logs_dir(out_dir)}")
     data = json.loads(raw.read_text())
     t = recipe.training
     tokens = t.global_batch_size * recipe.model.seq_length
