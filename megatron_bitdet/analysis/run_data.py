@@ -18,6 +18,7 @@ class RunData:
     manifest: dict | None = None
     hidden: frozenset[str] = frozenset()  # names compared only when asked for by name
     warnings: list[str] = field(default_factory=list)
+    truncated: list[Path] = field(default_factory=list)  # files cut short, read up to the cut (--allow-truncated)
 
     def steps(self, rank: int) -> list[int]:
         return [r.step for r in self.ranks[rank]]

@@ -17,7 +17,8 @@ from megatron_bitdet.compat.rebind import megatron_modules, rebound
 @contextmanager
 def swap_collectives(wrap, names):
     """Replace the c10d functions ``names`` by ``wrap(name, fn)`` wherever they are bound —
-    torch.distributed, c10d and megatron's import-time aliases — and restore them on exit."""
+    torch.distributed, c10d and megatron's import-time aliases — and restore them on exit.
+    Yields the swapped bindings as ``"module:attr"`` strings."""
     replacements = {f: wrap(n, f) for n in names if (f := getattr(c10d, n, None)) is not None}
-    with rebound(replacements, [dist, c10d, *megatron_modules()]):
-        yield
+    with rebound(replacements, [dist, c10d, *megatron_modules()]) as changed:
+        yield [f"{module.__name__}:{attr}" for module, attr, _ in changed]

@@ -48,6 +48,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict) -> int:
     from megatron.core import parallel_state as ps
 
     from megatron_bitdet.enforce import build_manifest, write_manifest
+    from megatron_bitdet.enforce.manifest import gather_placement
     from megatron_bitdet.model.builder import load_model_provider
     from megatron_bitdet.rundir import checkpoints_dir, fingerprints_dir
     from megatron_bitdet.train import checkpoint
@@ -66,6 +67,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict) -> int:
     run_dir = Path(opts.run_dir)
     manifest = build_manifest(
         recipe, enforcement, world_size=world_size, argv=None if opts.argv is None else list(opts.argv),
+        placement=gather_placement(),
         extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams,
                "model_provider": opts.model_provider, "trace": options["trace"]},
     )

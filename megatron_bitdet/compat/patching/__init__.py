@@ -35,6 +35,12 @@ __all__ = [
     "split_symbol",
 ]
 
-from megatron_bitdet.compat.patching.select import apply_for, declared_ids, select_patches  # noqa: E402
+from megatron_bitdet.compat.patching.select import (  # noqa: E402
+    apply_for,
+    declared_ids,
+    install,
+    select_patches,
+    swap_patches,
+)
 
-__all__ += ["apply_for", "declared_ids", "select_patches"]
+__all__ += ["apply_for", "declared_ids", "install", "select_patches", "swap_patches"]
