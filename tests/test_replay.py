@@ -13,10 +13,10 @@ import torch
 
 from megatron_bitdet.analysis.spike import Departure, departure_key
 from megatron_bitdet.cli import main
-from megatron_bitdet.cli.train_cmd import launch_training
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.recipe import load_recipe
 from megatron_bitdet.trace.module_stats import read_stats
+from megatron_bitdet.train.run import RunOptions, launch_training
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "nemotron_h_tiny.yaml"
@@ -38,7 +38,7 @@ def at_root():
 def spike_run(tmp_path_factory, at_root) -> Path:
     run = tmp_path_factory.mktemp("spike") / "run"
     recipe = load_recipe(RECIPE, ["training.iterations=8"])
-    assert launch_training(recipe, nproc=2, run_dir=run, model_provider=PLANTED, save_interval=2) == 0
+    assert launch_training(recipe, RunOptions(nproc=2, run_dir=run, model_provider=PLANTED, save_interval=2)) == 0
     return run
 
 

@@ -14,7 +14,8 @@ import math
 from dataclasses import asdict, dataclass
 
 from megatron_bitdet.errors import BitdetInputError
-from megatron_bitdet.trace.module_stats import read_stats, stats_path
+from megatron_bitdet.rundir import stats_path
+from megatron_bitdet.trace.module_stats import read_stats
 
 FORWARD = ("out_max", "out_rms", "out_nonfinite", "load")
 BACKWARD = ("grad_max", "grad_rms", "grad_share", "grad_nonfinite")

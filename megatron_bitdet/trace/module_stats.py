@@ -22,15 +22,12 @@ from pathlib import Path
 import torch
 
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.rundir import stats_path
 from megatron_bitdet.trace.digest import trace_tensors
 
 FORMAT = "bitdet-module-stats"
 VERSION = 1
 STATS = ("out_max", "out_rms", "out_nonfinite", "grad_max", "grad_rms", "grad_nonfinite", "param_grad_sq", "order")
-
-
-def stats_path(run_dir, rank: int) -> Path:
-    return Path(run_dir) / "stats" / f"rank_{rank:05d}.stats.jsonl"
 
 
 class _Acc:

@@ -19,7 +19,6 @@ import copy
 import json
 import os
 import re
-import shutil
 import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,7 +29,8 @@ from megatron_bitdet.analysis.spike import load_stats, merge, rank_modules, rout
 from megatron_bitdet.enforce.manifest import load_manifest
 from megatron_bitdet.errors import BitdetError, BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_float
-from megatron_bitdet.train.checkpoint import META, iter_dir
+from megatron_bitdet.rundir import checkpoints_dir, iter_dir, replay_dir
+from megatron_bitdet.train.checkpoint import META
 
 RESULT = "replay.json"
 WORKER = "megatron_bitdet.workflows.replay_worker:replay_worker"
@@ -223,7 +223,7 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
     if context < 0:
         raise BitdetInputError(f"--context {context}: must be >= 0")
     spec = _spec(run_dir, overrides)
-    checkpoint, ckpt_path = choose_checkpoint(Path(checkpoints) if checkpoints else run_dir / "checkpoints",
+    checkpoint, ckpt_path = choose_checkpoint(Path(checkpoints) if checkpoints else checkpoints_dir(run_dir),
                                               max(0, step - 1 - context))
     first = checkpoint + 1
     missing = [s for s in range(first, step + 1) if s not in have]
@@ -233,27 +233,28 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
     if change is not None:
         _check_change(change, spec.recipe, spec.nproc, step, first)
     name = f"step_{step}" + (f"_{describe_change(change).replace(' ', '_')}" if change else "")
-    out = Path(out) if out else run_dir / "replay" / re.sub(r"[^\w.-]", "", name)
+    out = Path(out) if out else replay_dir(run_dir, re.sub(r"[^\w.-]", "", name))
     if out.resolve() == run_dir.resolve():
         raise BitdetInputError("--out must differ from the run directory")
-    for stale in ("fingerprints", "stats", "logs", "dump", "manifest.json", RESULT):
-        target = out / stale
-        shutil.rmtree(target, ignore_errors=True) if target.is_dir() else target.unlink(missing_ok=True)
+    ours = (out / RESULT).is_file() or out.resolve().is_relative_to(replay_dir(run_dir, "").resolve())
+    if out.is_dir() and any(out.iterdir()) and not ours:
+        raise BitdetInputError(f"--out {out}: exists and is not a replay directory (no {RESULT}); "
+                               "a replay empties its directory first")
     result = ReplayResult(str(run_dir), step, str(out), checkpoint, list(range(first, step + 1)), change=change)
     verify_until = step - 1 if change else step
     stats_steps = None if dump else [first, step]
-    from megatron_bitdet.cli.train_cmd import launch_training
+    from megatron_bitdet.train.run import RunOptions, launch_training
 
-    argv = ["bitdet", "replay", str(run_dir), "--step", str(step)]
+    argv = ("bitdet", "replay", str(run_dir), "--step", str(step))
     print(f"[replay] {run_dir}: steps {first}-{step} from "
           f"{'checkpoint iteration ' + str(checkpoint) if ckpt_path else 'the start'}"
           + (f", change at {step}: {describe_change(change)}" if change else ""), file=sys.stderr, flush=True)
+    options = RunOptions(nproc=spec.nproc, run_dir=str(out), load=str(ckpt_path) if ckpt_path else None,
+                         stop_at=step, model_provider=spec.model_provider, argv=argv, save_interval=0, fresh=True)
     with contextlib.redirect_stdout(sys.stderr):  # the ranks' consoles; stdout is the report
-        rc = launch_training(spec.recipe, nproc=spec.nproc, run_dir=out, load=str(ckpt_path) if ckpt_path else None,
-                             stop_at=step, model_provider=spec.model_provider, argv=argv, save_interval=0,
-                             worker=WORKER, worker_args={"replay": {
-                                 "original": str(run_dir), "verify_until": verify_until,
-                                 "stats_steps": stats_steps, "change": change, "step": step, "dump": dump}})
+        rc = launch_training(spec.recipe, options, worker=WORKER, worker_args={"replay": {
+            "original": str(run_dir), "verify_until": verify_until, "stats_steps": stats_steps,
+            "change": change, "step": step, "dump": dump}})
     if rc != 0:
         raise BitdetError(f"the replay into {out} failed (exit {rc}); see {out}/logs/")
     replay_run = load_run(out, "bitdet")

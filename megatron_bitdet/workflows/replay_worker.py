@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from megatron_bitdet.analysis.fingerprints_io import read_rank_file
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.fingerprint.steps import read_rank_file
+from megatron_bitdet.rundir import fingerprint_path
 from megatron_bitdet.trace.digest import trace_tensors
 from megatron_bitdet.trace.module_stats import ModuleStats, StatsWriter
 from megatron_bitdet.train.loop import StepHook
-from megatron_bitdet.train.step_fingerprints import fingerprint_path
 from megatron_bitdet.train.worker import enforce, worker
 
 
