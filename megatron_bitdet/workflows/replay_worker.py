@@ -200,7 +200,7 @@ def replay_worker(rank: int, world_size: int, *, replay: dict, **train_args) -> 
     if replay.get("change"):  # before Stats: its hooks then see the changed step
         hooks.append(Change(replay["change"], replay["step"], rank))
     if replay.get("stats_steps"):
-        hooks.append(Stats(train_args["run_dir"], rank, replay["stats_steps"]))
+        hooks.append(Stats(train_args["options"]["run_dir"], rank, replay["stats_steps"]))
     return worker(rank, world_size, hooks=hooks, **train_args)
 
 
