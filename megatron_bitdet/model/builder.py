@@ -37,6 +37,8 @@ def transformer_config(recipe, *, swapped=(), use_cpu_initialization: bool | Non
     from megatron.core.transformer import TransformerConfig
 
     from megatron_bitdet.enforce import megatron_overrides
+    from megatron_bitdet.model.fp8_linear import EmulatedFP8
+    from megatron_bitdet.patching import fp8_implementation
 
     m, par, moe = recipe.model, recipe.parallel, recipe.model.moe
     if m.mtp_num_layers:
@@ -84,8 +86,17 @@ def transformer_config(recipe, *, swapped=(), use_cpu_initialization: bool | Non
             moe_aux_loss_coeff=moe.aux_loss_coeff,
             moe_token_dispatcher_type=moe.dispatcher,
         )
+    fp8 = fp8_implementation(recipe, family=resolve_spec_family(recipe))
+    if fp8 == "te":
+        f = m.fp8
+        kwargs.update(fp8=f.format, fp8_recipe=f.recipe, fp8_margin=f.margin,
+                      fp8_amax_history_len=f.amax_history_len, fp8_amax_compute_algo=f.amax_compute_algo)
     kwargs.update(megatron_overrides(recipe, swapped))
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if fp8 == "emulated":  # megatron's own fp8 fields would route to TE; the emulated linears read this
+        config.emulated_fp8 = EmulatedFP8(m.fp8.recipe, m.fp8.format, m.fp8.amax_history_len,
+                                          m.fp8.amax_compute_algo, m.fp8.margin)
+    return config
 
 
 def padded_vocab_size(recipe) -> int:

@@ -2,7 +2,8 @@
 
 ``local``: pure torch, runs anywhere (CPU included); Mamba kernels, the final norm and (with
 ``expert_impl: grouped``) the experts are bitdet's, swapped in by ``patches/`` before the spec is
-built. ``te``: Transformer Engine's fused layers
+built. Its linears come from megatron's ``LocalSpecProvider`` (read when the spec is built), the one
+binding the emulated-FP8 swap replaces. ``te``: Transformer Engine's fused layers
 (megatron's own ``mamba_stack_spec``), used when TE imports.
 """
 from __future__ import annotations
@@ -14,7 +15,6 @@ from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -40,12 +40,14 @@ def te_available() -> bool:
 
 def local_stack_spec(*, num_experts: int = 0, mamba_params=None) -> ModuleSpec:
     """The pure-torch hybrid stack: Mamba-2, attention, MLP and MoE layers."""
+    backend = LocalSpecProvider()
+    column, row = backend.column_parallel_linear(), backend.row_parallel_linear()
     moe_layer = None
     if num_experts:
         moe_layer = ModuleSpec(
             module=MoETransformerLayer,
             submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=LocalNorm, mlp=get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts), mlp_bda=get_bias_dropout_add
+                pre_mlp_layernorm=LocalNorm, mlp=get_moe_module_spec_for_backend(backend, num_experts=num_experts), mlp_bda=get_bias_dropout_add
             ),
         )
     return ModuleSpec(
@@ -58,7 +60,7 @@ def local_stack_spec(*, num_experts: int = 0, mamba_params=None) -> ModuleSpec:
                     mixer=ModuleSpec(
                         module=MambaMixer,
                         params=dict(mamba_params or {}),
-                        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+                        submodules=MambaMixerSubmodules(in_proj=column, out_proj=row),
                     ),
                     mamba_bda=get_bias_dropout_add,
                 ),
@@ -71,9 +73,9 @@ def local_stack_spec(*, num_experts: int = 0, mamba_params=None) -> ModuleSpec:
                         module=SelfAttention,
                         params={"attn_mask_type": AttnMaskType.causal},
                         submodules=SelfAttentionSubmodules(
-                            linear_qkv=ColumnParallelLinear,
+                            linear_qkv=column,
                             core_attention=DotProductAttention,
-                            linear_proj=RowParallelLinear,
+                            linear_proj=row,
                         ),
                     ),
                     self_attn_bda=get_bias_dropout_add,
@@ -85,7 +87,7 @@ def local_stack_spec(*, num_experts: int = 0, mamba_params=None) -> ModuleSpec:
                     pre_mlp_layernorm=LocalNorm,
                     mlp=ModuleSpec(
                         module=MLP,
-                        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                        submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row),
                     ),
                     mlp_bda=get_bias_dropout_add,
                 ),

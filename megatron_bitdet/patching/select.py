@@ -1,10 +1,24 @@
 """Which declared patches a recipe gets: the swaps the rules resolved, plus what its layer spec needs."""
 from __future__ import annotations
 
+from megatron_bitdet.errors import BitdetError
 from megatron_bitdet.patching.apply import applied_patches, apply_patches
 from megatron_bitdet.patching.declaration import load_declarations
 
 SSM_PATCHES = ("ssd_scan", "gated_rmsnorm", "causal_conv1d")
+
+
+def fp8_implementation(recipe, *, family: str) -> str | None:
+    """None (no FP8), "te" (Transformer Engine's recipe, TE spec) or "emulated" (the local spec's
+    emulated FP8 linears, patch ``fp8_emulated_linear``)."""
+    fp8 = recipe.model.fp8
+    if fp8.recipe == "none":
+        return None
+    impl = fp8.implementation if fp8.implementation != "auto" else ("te" if family == "te" else "emulated")
+    if (impl == "te") != (family == "te"):
+        raise BitdetError(f"model.fp8.implementation={impl} needs model.spec={'te' if impl == 'te' else 'local'} "
+                          f"(the resolved spec is {family})")
+    return impl
 
 
 def declared_ids() -> frozenset:
@@ -21,6 +35,8 @@ def select_patches(recipe, *, family: str, swaps=()) -> list[str]:
         ids.append("moe_aux_loss")
     if recipe.model.has("E") and recipe.model.moe.expert_impl == "grouped":
         ids.append("grouped_gemm_dprob")
+    if fp8_implementation(recipe, family=family) == "emulated":
+        ids.append("fp8_emulated_linear")
     for s in swaps:
         if s["swap"] not in ids:
             ids.append(s["swap"])

@@ -1,7 +1,8 @@
 """Full-state checkpoints with megatron-core ``dist_checkpointing``.
 
 What a restore needs to continue bit for bit: model and optimizer shards (distributed optimizer
-included), the LR scheduler, the iteration, *every* RNG (python, numpy, torch CPU, CUDA, megatron's
+included; FP8 scaling state rides in the model as buffers), the fp32 source of a mixed-precision
+run with its compute copy rebuilt from it (``precision.rebuild_compute_copy``), the LR scheduler, the iteration, *every* RNG (python, numpy, torch CPU, CUDA, megatron's
 tracker) and the data position, per rank. A save is atomic: shards go to ``iter_N.tmp/``; only
 after every rank finished does rank 0 write ``bitdet_meta.json`` (digests of every file) and rename
 the directory, then ``latest``. A directory without that file is incomplete by definition, and a
@@ -20,6 +21,7 @@ import torch
 import xxhash
 
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.train.precision import rebuild_compute_copy
 
 META = "bitdet_meta.json"
 LATEST = "latest"
@@ -231,5 +233,7 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
     with torch.no_grad():  # megatron copies into leaf params in place (no_grad is missing upstream)
         optimizer.load_state_dict(state["optimizer"])
     _restore_adam_steps(optimizer, state["optimizer"])
+    # The fp32 source is restored; the 16-bit compute copy is rebuilt from it the way training does.
+    rebuild_compute_copy(optimizer)
     scheduler.load_state_dict(state["scheduler"])
     return int(state["iteration"]), state["bitdet_rank_state"]
