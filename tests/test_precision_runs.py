@@ -2,14 +2,19 @@
 and emulated FP8 (delayed scaling, bf16 params) are bitwise equal independently and across a
 2-restore resume chain, with the fp32 source, the bf16 compute copy and the FP8 scaling state checked
 after every restore; a restore that rounds the compute copy another way, or drops the amax history,
-is caught by name. One reference, twin and chain per configuration, shared by this module."""
+is caught by name. Per configuration one `bitdet verify-resume` invocation as the README writes it
+(reference + 2-restore chain) and one independent twin, shared by this module."""
+import io
+import json
+from contextlib import redirect_stdout
 from pathlib import Path
 
 import pytest
 import torch
 
 from megatron_bitdet.analysis.compare import compare_runs
-from megatron_bitdet.analysis.resume import run_reference, verify_resume
+from megatron_bitdet.analysis.resume import verify_resume
+from megatron_bitdet.cli import main
 from megatron_bitdet.cli.train_cmd import launch_training
 from megatron_bitdet.recipe import load_recipe
 
@@ -36,16 +41,23 @@ def _recipe(name):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Per configuration, made on first use: reference (snapshots at RESUME_AT), independent twin, chain."""
+    """Per configuration, made on first use: the verify-resume report (JSON) with its reference, and a twin."""
     made = {}
 
     def get(name):
         if name not in made:
-            recipe, root = _recipe(name), tmp_path_factory.mktemp(name)
-            reference = run_reference(recipe, RESUME_AT, nproc=2, run_dir=root / "reference")
+            path, overrides = CONFIGS[name]
+            root = tmp_path_factory.mktemp(name)
+            out = io.StringIO()
+            with redirect_stdout(out):
+                rc = main(["verify-resume", "--recipe", str(ROOT / "recipes" / path), "--resume-at", "2,3",
+                           "--out", str(root / "chain"), "--json", *ITERATIONS, *overrides])
+            text = out.getvalue()
+            assert rc == 0, text[-3000:]
+            report = json.loads(text[text.index("{\n"):])
+            recipe = _recipe(name)
             assert launch_training(recipe, nproc=2, run_dir=root / "twin") == 0
-            chain = verify_resume(recipe, RESUME_AT, nproc=2, out_dir=root / "chain", reference_dir=reference)
-            made[name] = (recipe, reference, root / "twin", chain)
+            made[name] = (recipe, Path(report["reference_dir"]), root / "twin", report)
         return made[name]
 
     return get
@@ -65,14 +77,14 @@ def test_independent_runs_are_bitwise_equal(runs, name):
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_two_restore_chain_checks_source_and_compute_copy(runs, name):
     recipe, reference, _, report = runs(name)
-    assert report.holds, report.summary()
-    assert [p.steps_compared for p in report.points] == [[1, 2], [3], [4]]
+    assert report["holds"] is True
+    assert [p["steps_compared"] for p in report["points"]] == [[1, 2], [3], [4]]
     expected = STATE | ({"fp8_scaling"} if name == "fp8" else set())
     for step in RESUME_AT:
         for rank in (0, 1):
-            assert {c.component for c in report.checks if c.resume_step == step and c.rank == rank} == expected
-    copies = [c for c in report.checks if c.component == "bf16_compute_copy"]
-    assert copies and all(c.equal for c in report.checks)
+            assert {c["component"] for c in report["checks"]
+                    if c["resume_step"] == step and c["rank"] == rank} == expected
+    assert all(c["equal"] for c in report["checks"])
     snap = torch.load(reference / "snapshots" / "iter_0000002" / "rank_00000.pt", weights_only=True)
     assert {t.dtype for t in snap["bf16_compute_copy"].values()} == {torch.bfloat16}
     assert {t.dtype for t in snap["fp32_main_params"].values()} == {torch.float32}

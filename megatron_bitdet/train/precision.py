@@ -59,7 +59,7 @@ def rebuild_compute_copy(optimizer) -> None:
                 chunk.start_param_sync()
 
 
-def _bf16_toward_zero(x: torch.Tensor) -> torch.Tensor:
+def bf16_toward_zero(x: torch.Tensor) -> torch.Tensor:
     """fp32 -> bf16 by dropping the low 16 bits (round toward zero, not training's nearest-even)."""
     return (x.float().contiguous().view(torch.int32) >> 16).to(torch.int16).view(torch.bfloat16)
 
@@ -74,13 +74,13 @@ def fault_round_compute_copy(optimizer) -> None:
             for group in opt.model_float16_groups:
                 for p in group:
                     r = opt._get_model_param_range_map(p)["param"]
-                    p.detach().view(-1)[r.start:r.end].copy_(_bf16_toward_zero(p.main_param))
+                    p.detach().view(-1)[r.start:r.end].copy_(bf16_toward_zero(p.main_param))
             for chunk in opt.model_chunks:
                 chunk.start_param_sync()
         else:
             for group in opt.float16_groups:
                 for p in group:
-                    p.data.copy_(_bf16_toward_zero(p.main_param).view_as(p))
+                    p.data.copy_(bf16_toward_zero(p.main_param).view_as(p))
 
 
 def _te_fp8_state(module) -> dict:
