@@ -31,10 +31,10 @@ def test_blockwise_encoding_is_mx_style_and_repeats_bytewise():
 def test_tensorwise_roundtrip_and_delayed_scale_rule():
     x = _x(1)
     history = torch.tensor([0.0, 2.0, 8.0, 4.0])
-    assert q.delayed_scale(history, torch.float8_e4m3fn, margin=0, algo="max") == 448.0 / 8.0
-    assert q.delayed_scale(history, torch.float8_e4m3fn, margin=1, algo="most_recent") == 1.0  # history[0] = 0
-    assert q.delayed_scale(history[1:], torch.float8_e5m2, margin=1, algo="most_recent") == 57344.0 / 2.0 / 2.0
-    scale = q.delayed_scale(q.amax(x).view(1), torch.float8_e5m2, margin=0, algo="max")
+    assert q.scale_from_history(history, torch.float8_e4m3fn, margin=0, algo="max") == 448.0 / 8.0
+    assert q.scale_from_history(history, torch.float8_e4m3fn, margin=1, algo="most_recent") == 1.0  # history[0] = 0
+    assert q.scale_from_history(history[1:], torch.float8_e5m2, margin=1, algo="most_recent") == 57344.0 / 2.0 / 2.0
+    scale = q.scale_from_history(q.amax(x).view(1), torch.float8_e5m2, margin=0, algo="max")
     v = q.quantize_tensorwise(x, scale, torch.float8_e5m2)
     assert v.dtype == torch.float8_e5m2 and float(v.float().abs().max()) == 57344.0
     assert torch.equal(q.dequantize_tensorwise(v, scale, x.dtype), q.dequantize_tensorwise(v.clone(), scale, x.dtype))

@@ -29,7 +29,7 @@ PRECISIONS = {
 }
 PARAM_DTYPE = {"fp32": ["torch.float32"], "bf16": ["torch.bfloat16"], "fp8": ["torch.bfloat16"]}
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(900)
 
 
 def _bits(t: torch.Tensor) -> bytes:

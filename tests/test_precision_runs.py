@@ -93,28 +93,20 @@ def test_two_restore_chain_checks_source_and_compute_copy(runs, name):
         assert any(k.endswith("fp8_amax_history") and t.abs().sum() > 0 for k, t in snap["fp8_scaling"].items())
 
 
-def test_compute_copy_rounded_another_way_is_named(runs, tmp_path):
-    """Negative control: the bf16 copy rebuilt from the fp32 source rounding toward zero instead of
-    training's nearest-even conversion. The source itself is intact; the copy is named."""
-    recipe, reference, _, _ = runs("bf16_distopt")
-    report = verify_resume(recipe, [2], nproc=2, out_dir=tmp_path, reference_dir=reference,
-                           faults=["compute_copy.rounding"])
-    assert not report.holds
-    fresh, resumed = report.points
-    assert fresh.holds and resumed.failing_components == ["bf16_compute_copy"]
-    assert {c.rank for c in report.failures} == {0, 1}
-    assert all(c.equal for c in report.checks if c.component == "fp32_main_params")
-    assert resumed.first_output_divergence == 3
-    assert "bf16_compute_copy differs" in report.summary()
-
-
-def test_dropped_fp8_scaling_state_is_named(runs, tmp_path):
+def test_compute_copy_rounded_another_way_and_dropped_fp8_state_are_named(runs, tmp_path):
+    """Negative controls, both in one resumed segment of the FP8 run (bf16 params, distributed
+    optimizer): the bf16 copy rebuilt from the fp32 source rounding toward zero instead of training's
+    nearest-even conversion, and the FP8 amax history / scales left as a fresh model has them. Each
+    is named as its own component; the fp32 source itself is intact."""
     recipe, reference, _, _ = runs("fp8")
     report = verify_resume(recipe, [2], nproc=2, out_dir=tmp_path, reference_dir=reference,
-                           faults=["fp8.amax_history"])
+                           faults=["compute_copy.rounding", "fp8.amax_history"])
     assert not report.holds
     fresh, resumed = report.points
-    assert fresh.holds and resumed.failing_components == ["fp8_scaling"]
+    assert fresh.holds and resumed.failing_components == ["bf16_compute_copy", "fp8_scaling"]
+    for component in ("bf16_compute_copy", "fp8_scaling"):
+        assert {c.rank for c in report.failures if c.component == component} == {0, 1}
+    assert all(c.equal for c in report.checks if c.component in ("fp32_main_params", "optimizer"))
     assert any(c.key.endswith("fp8_amax_history") for c in report.failures)
     assert resumed.first_output_divergence == 3
-    assert "fp8_scaling differs" in report.summary()
+    assert "bf16_compute_copy differs" in report.summary() and "fp8_scaling differs" in report.summary()

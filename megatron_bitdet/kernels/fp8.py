@@ -66,9 +66,9 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().amax().float()
 
 
-def delayed_scale(history: torch.Tensor, dtype: torch.dtype, *, margin: int, algo: str) -> torch.Tensor:
-    """TE's delayed-scaling rule: scale = fp8_max / amax / 2**margin from the amax history (its max,
-    or the most recent entry); 1 while no amax has been seen."""
+def scale_from_history(history: torch.Tensor, dtype: torch.dtype, *, margin: int, algo: str) -> torch.Tensor:
+    """TE's scaling rule: scale = fp8_max / amax / 2**margin, amax from the history (its max, or the
+    most recent entry; current scaling passes a history of one); 1 while no amax has been seen."""
     a = history.amax() if algo == "max" else history[0]
     scale = torch.tensor(fp8_max(dtype), dtype=torch.float32) / a / (2.0 ** margin)
     return torch.where(a > 0, scale, torch.ones_like(scale))

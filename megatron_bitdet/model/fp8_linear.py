@@ -17,6 +17,7 @@ import torch
 from megatron.core import parallel_state as ps
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
+from megatron_bitdet.fingerprint.tensor import dtype_name
 from megatron_bitdet.kernels import fp8 as q
 
 
@@ -66,12 +67,12 @@ class _FP8Emulation:
         """The scale this quantization uses; delayed scaling then records the amax and moves on."""
         a = self._reduce_amax(q.amax(x))
         if self.fp8.recipe == "tensorwise":
-            return q.delayed_scale(a.view(1), dtype, margin=self.fp8.margin, algo="most_recent")
+            return q.scale_from_history(a.view(1), dtype, margin=self.fp8.margin, algo="most_recent")
         scale = self.fp8_scale[role].clone()
         history = self.fp8_amax_history[:, role]
         history.copy_(torch.roll(history, 1))
         history[0] = a
-        self.fp8_scale[role] = q.delayed_scale(history, dtype, margin=self.fp8.margin,
+        self.fp8_scale[role] = q.scale_from_history(history, dtype, margin=self.fp8.margin,
                                                algo=self.fp8.amax_compute_algo)
         return scale
 
@@ -83,7 +84,7 @@ class _FP8Emulation:
         else:
             scale = self._scale(x, role, dtype)
             values = q.quantize_tensorwise(x, scale, dtype)
-            encoded = q.BlockedTensor(values, scale, format=f"tensorwise_{dtype}", block_size=x.numel())
+            encoded = q.BlockedTensor(values, scale, format=f"tensor_{dtype_name(dtype)}", block_size=x.numel())
             out = q.dequantize_tensorwise(values, scale, x.dtype)
         if q.ROLES[role] == "weight":
             self.fp8_encoded_weight = encoded
