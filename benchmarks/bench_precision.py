@@ -29,9 +29,9 @@ PRECISIONS = {
 
 
 def main() -> int:
-    from megatron_bitdet.cli.train_cmd import check_layout, child_env
     from megatron_bitdet.recipe import load_recipe
     from megatron_bitdet.train.launch import launch
+    from megatron_bitdet.train.run import check_layout, child_env
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=str(ROOT / "recipes/nemotron_h_tiny.yaml"))
@@ -46,7 +46,7 @@ def main() -> int:
     check_layout(base, args.nproc)
     out = Path(tempfile.mkdtemp(prefix="bench_precision_"))
     sides = [{"name": n, "recipe": r.to_dict(), "deterministic": True} for n, r in recipes.items()]
-    rc = launch("megatron_bitdet.analysis.tax_worker:tax_worker", args.nproc,
+    rc = launch("megatron_bitdet.workflows.tax_worker:tax_worker", args.nproc,
                 {"recipe": base.to_dict(), "sides": sides, "rounds": args.rounds, "warmup": args.warmup,
                  "profile_steps": 1, "out_path": str(out / "raw.json")},
                 run_dir=out, env=child_env(base), console_rank=-1)

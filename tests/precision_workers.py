@@ -41,7 +41,7 @@ def hybrid_block(rank, world_size, *, recipe, variants, out):
     restoring (dropout draws anew: must differ)."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bitdet import cpu_backend, patching
+    from megatron_bitdet.compat import cpu_backend, patching
     from megatron_bitdet.model.builder import default_model_provider, resolve_spec_family
     from megatron_bitdet.recipe import Recipe
     from megatron_bitdet.train.checkpoint import capture_rng, restore_rng

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from megatron_bitdet.analysis.compare import compare_runs
-from megatron_bitdet.analysis.resume import verify_resume
 from megatron_bitdet.cli import main
-from megatron_bitdet.cli.train_cmd import launch_training
 from megatron_bitdet.recipe import load_recipe
+from megatron_bitdet.train.run import RunOptions, launch_training
+from megatron_bitdet.workflows.resume import verify_resume
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = ["training.iterations=4"]
@@ -56,7 +56,7 @@ def runs(tmp_path_factory):
             assert rc == 0, text[-3000:]
             report = json.loads(text[text.index("{\n"):])
             recipe = _recipe(name)
-            assert launch_training(recipe, nproc=2, run_dir=root / "twin") == 0
+            assert launch_training(recipe, RunOptions(nproc=2, run_dir=root / "twin")) == 0
             made[name] = (recipe, Path(report["reference_dir"]), root / "twin", report)
         return made[name]
 

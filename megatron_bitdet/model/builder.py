@@ -37,8 +37,7 @@ def transformer_config(recipe, *, swapped=(), use_cpu_initialization: bool | Non
     from megatron.core.transformer import TransformerConfig
 
     from megatron_bitdet.enforce import megatron_overrides
-    from megatron_bitdet.model.fp8_linear import EmulatedFP8
-    from megatron_bitdet.patching import fp8_implementation
+    from megatron_bitdet.compat.patching import fp8_implementation
 
     m, par, moe = recipe.model, recipe.parallel, recipe.model.moe
     if m.mtp_num_layers:
@@ -94,8 +93,7 @@ def transformer_config(recipe, *, swapped=(), use_cpu_initialization: bool | Non
     kwargs.update(megatron_overrides(recipe, swapped))
     config = TransformerConfig(**kwargs)
     if fp8 == "emulated":  # megatron's own fp8 fields would route to TE; the emulated linears read this
-        config.emulated_fp8 = EmulatedFP8(m.fp8.recipe, m.fp8.format, m.fp8.amax_history_len,
-                                          m.fp8.amax_compute_algo, m.fp8.margin)
+        config.emulated_fp8 = m.fp8
     return config
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from megatron_bitdet.fingerprint.tensor import state_digest
-from megatron_bitdet.model.fp8_linear import emulated_fp8_modules
+from megatron_bitdet.kernels.fp8_linear import emulated_fp8_modules
 
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_bitdet.rundir import snapshot_path
 from megatron_bitdet.train import precision
 from megatron_bitdet.train.checkpoint import capture_rng
 
@@ -19,10 +20,6 @@ from megatron_bitdet.train.checkpoint import capture_rng
 # fp8.amax_history: the FP8 delayed-scaling state left fresh.
 FAULTS = ("rng.python", "rng.numpy", "rng.torch_cpu", "rng.tracker", "data", "optimizer.exp_avg", "scheduler",
           "compute_copy.rounding", "fp8.amax_history")
-
-
-def snapshot_path(run_dir, step: int, rank: int) -> Path:
-    return Path(run_dir) / "snapshots" / f"iter_{step:07d}" / f"rank_{rank:05d}.pt"
 
 
 def _optimizer_state(optimizer) -> dict:

@@ -1,7 +1,7 @@
 """Emulated FP8 linears: megatron's Column/RowParallelLinear with input, weight and output gradient
 quantize-dequantized (``kernels.fp8``), swapped into the local spec by ``patches/fp8_emulated_linear.yaml``
-where Transformer Engine cannot run. Settings come from ``config.emulated_fp8`` (set by
-``transformer_config`` from the recipe's ``model.fp8``).
+where Transformer Engine cannot run. Settings come from ``config.emulated_fp8`` (the recipe's
+``model.fp8``, set by ``model.builder.transformer_config``).
 
 Delayed scaling keeps TE's run state as persistent buffers, so checkpoints carry it like any tensor:
 ``fp8_amax_history`` (history x roles input / weight / grad_output) and ``fp8_scale`` (per role).
@@ -10,7 +10,6 @@ expert-TP then expert-DP), so every replica holds the same state and quantizes i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import partial
 
 import torch
@@ -21,18 +20,9 @@ from megatron_bitdet.fingerprint.tensor import dtype_name
 from megatron_bitdet.kernels import fp8 as q
 
 
-@dataclass(frozen=True)
-class EmulatedFP8:
-    """The recipe's ``model.fp8`` as the emulated linears read it."""
-
-    recipe: str  # delayed | tensorwise | mxfp8
-    format: str  # e4m3 | hybrid (e4m3 forward, e5m2 output gradients)
-    amax_history_len: int
-    amax_compute_algo: str
-    margin: int
-
-    def dtype(self, role: int) -> torch.dtype:
-        return q.FORMATS["e5m2" if self.format == "hybrid" and q.ROLES[role] == "grad_output" else "e4m3"]
+def _dtype(fp8, role: int) -> torch.dtype:
+    """e4m3 everywhere, except the output gradient (e5m2) in the hybrid format."""
+    return q.FORMATS["e5m2" if fp8.format == "hybrid" and q.ROLES[role] == "grad_output" else "e4m3"]
 
 
 class _FP8Emulation:
@@ -77,7 +67,7 @@ class _FP8Emulation:
         return scale
 
     def _qdq(self, x: torch.Tensor, role: int) -> torch.Tensor:
-        dtype = self.fp8.dtype(role)
+        dtype = _dtype(self.fp8, role)
         if self.fp8.recipe == "mxfp8":
             encoded = q.quantize_blockwise(x, dtype)
             out = q.dequantize_blockwise(encoded, x.shape, x.dtype)
