@@ -30,6 +30,19 @@ def resolve_spec_family(recipe) -> str:
     return family
 
 
+def fp8_implementation(recipe) -> str | None:
+    """None (no FP8), "te" (Transformer Engine's recipe, TE spec) or "emulated" (the local spec's
+    emulated FP8 linears: patch ``fp8_emulated_linear``, selected by its ``needed_when``)."""
+    fp8, family = recipe.model.fp8, resolve_spec_family(recipe)
+    if fp8.recipe == "none":
+        return None
+    impl = fp8.implementation if fp8.implementation != "auto" else ("te" if family == "te" else "emulated")
+    if (impl == "te") != (family == "te"):
+        raise BitdetError(f"model.fp8.implementation={impl} needs model.spec={'te' if impl == 'te' else 'local'} "
+                          f"(the resolved spec is {family})")
+    return impl
+
+
 def transformer_config(recipe, *, swapped=(), use_cpu_initialization: bool | None = None):
     """megatron TransformerConfig for the recipe, carrying the enforcement's determinism decisions
     (``swapped``: rule ids the enforcement resolved with a swap)."""
@@ -37,7 +50,6 @@ def transformer_config(recipe, *, swapped=(), use_cpu_initialization: bool | Non
     from megatron.core.transformer import TransformerConfig
 
     from megatron_bitdet.enforce import megatron_overrides
-    from megatron_bitdet.compat.patching import fp8_implementation
 
     m, par, moe = recipe.model, recipe.parallel, recipe.model.moe
     if m.mtp_num_layers:
@@ -85,7 +97,7 @@ def transformer_config(recipe, *, swapped=(), use_cpu_initialization: bool | Non
             moe_aux_loss_coeff=moe.aux_loss_coeff,
             moe_token_dispatcher_type=moe.dispatcher,
         )
-    fp8 = fp8_implementation(recipe, family=resolve_spec_family(recipe))
+    fp8 = fp8_implementation(recipe)
     if fp8 == "te":
         f = m.fp8
         kwargs.update(fp8=f.format, fp8_recipe=f.recipe, fp8_margin=f.margin,
@@ -108,11 +120,11 @@ def stack_spec(recipe):
     from megatron_bitdet.model import specs
 
     family = resolve_spec_family(recipe)
-    build = specs.te_stack_spec if family == "te" else specs.local_stack_spec
-    return build(
-        num_experts=recipe.model.moe.num_experts,
-        mamba_params={"chunk_size": recipe.model.mamba.chunk_size, "d_conv": recipe.model.mamba.conv_kernel},
-    )
+    kwargs = dict(num_experts=recipe.model.moe.num_experts,
+                  mamba_params={"chunk_size": recipe.model.mamba.chunk_size, "d_conv": recipe.model.mamba.conv_kernel})
+    if family == "te":
+        return specs.te_stack_spec(**kwargs)
+    return specs.local_stack_spec(**kwargs, expert_impl=recipe.model.moe.expert_impl)
 
 
 def default_model_provider(recipe, config, *, pre_process: bool = True, post_process: bool = True):

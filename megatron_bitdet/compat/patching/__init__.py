@@ -38,10 +38,9 @@ __all__ = [
 from megatron_bitdet.compat.patching.select import (  # noqa: E402
     apply_for,
     declared_ids,
-    fp8_implementation,
     install,
     select_patches,
     swap_patches,
 )
 
-__all__ += ["apply_for", "declared_ids", "fp8_implementation", "install", "select_patches", "swap_patches"]
+__all__ += ["apply_for", "declared_ids", "install", "select_patches", "swap_patches"]
