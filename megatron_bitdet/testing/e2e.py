@@ -34,8 +34,11 @@ class RunsReport:
 
 
 def bitdet_command(*args: str) -> list:
-    """``bitdet ARGS`` with this interpreter (the installed package, whatever is on PATH)."""
-    return [sys.executable, "-m", "megatron_bitdet", *map(str, args)]
+    """``bitdet ARGS`` of this interpreter's installation (its console script, else ``python -m``),
+    whatever else is on PATH."""
+    script = Path(sys.executable).with_name("bitdet")
+    head = [str(script)] if script.is_file() else [sys.executable, "-m", "megatron_bitdet"]
+    return [*head, *map(str, args)]
 
 
 def train_command(recipe, overrides: Sequence[str] = (), *, nproc: int = 2, steps: int = 3,

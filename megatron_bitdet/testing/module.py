@@ -89,6 +89,8 @@ def check_module(builder, *, layouts: Sequence = (Layout(),), world_size: int = 
     with tempfile.TemporaryDirectory(prefix="bitdet_module_check_") as scratch:
         out = Path(workdir) if workdir is not None else Path(scratch)
         out.mkdir(parents=True, exist_ok=True)
+        for stale in out.glob("rank_*.json"):  # only this launch's verdicts count
+            stale.unlink()
         args = {"builder": path, "layouts": [asdict(l) for l in layouts], "repeats": repeats, "seed": seed,
                 "threads": None if threads is None else list(threads), "backward": backward,
                 "deterministic_algorithms": deterministic_algorithms, "out": str(out)}
