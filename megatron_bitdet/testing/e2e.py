@@ -61,8 +61,9 @@ def check_end_to_end(recipe="nemotron_h_tiny", overrides: Sequence[str] = (), *,
                      timeout: float = 1800) -> RunsReport:
     """Run ``command`` (default: ``bitdet train --recipe RECIPE ... training.iterations=STEPS OVERRIDES``;
     ``{run_dir}`` is replaced) twice into ``workdir/a`` and ``workdir/b``, then ``bitdet compare``.
-    Raises :class:`NondeterminismError` with compare's report when the runs differ; BitdetError when a
-    run fails or the comparison covered fewer than ``expect_steps`` (default ``steps``) steps."""
+    Raises :class:`NondeterminismError` with compare's report when the runs diverge; BitdetError when a
+    run fails, compare finds them incomplete or unusable, or they cover fewer than ``expect_steps``
+    (default ``steps``) steps."""
     __tracebackhide__ = True  # pytest shows the message, not these frames
     template = list(command) if command is not None else train_command(
         recipe, overrides, nproc=nproc, steps=steps, model_provider=model_provider, train_args=train_args)
@@ -78,22 +79,24 @@ def check_end_to_end(recipe="nemotron_h_tiny", overrides: Sequence[str] = (), *,
             raise BitdetError(f"check_end_to_end: run {run.name} failed (exit {done.returncode}): {' '.join(argv)}\n"
                               f"{_tail(done.stderr or done.stdout)}\n  logs: {run / 'logs'}")
     done = subprocess.run(bitdet_command("compare", *runs, "--json"), capture_output=True, text=True, timeout=timeout)
-    if done.returncode == 1:
+    try:
+        result = json.loads(done.stdout)
+    except ValueError:
+        raise BitdetError(f"check_end_to_end: bitdet compare failed (exit {done.returncode}):\n{_tail(done.stderr)}") from None
+    if result["verdict"] == "diverged":
         report = subprocess.run(bitdet_command("compare", *runs), capture_output=True, text=True, timeout=timeout)
         raise NondeterminismError(
             f"check_end_to_end: two independent runs are not bit-identical (bitdet compare {runs[0]} {runs[1]}):\n"
             f"{report.stdout.rstrip()}\n  next: bitdet localize {runs[0]} {runs[1]}   "
             "(re-runs both with tracing around the first divergent step and names the op, module and rank)")
-    if done.returncode != 0:
-        raise BitdetError(f"check_end_to_end: bitdet compare could not use the runs (exit {done.returncode}):\n"
-                          f"{_tail(done.stderr)}")
-    result = json.loads(done.stdout)
+    if result["verdict"] != "match":
+        raise BitdetError(f"check_end_to_end: bitdet compare says {result['verdict']} (exit {done.returncode}), not a "
+                          f"match: {result.get('error') or ''}\n{_tail(done.stderr)}")
     want = steps if expect_steps is None else expect_steps
-    only = result["steps_only_in_a"] + result["steps_only_in_b"]
     ranks = nproc if command is None else 1
-    if result["steps_compared"] < want or only or len(result["ranks_compared"]) < ranks:
-        raise BitdetError(f"check_end_to_end: the comparison covered {result['steps_compared']} common steps on "
-                          f"ranks {result['ranks_compared']} (expected {want} steps on {ranks} ranks; steps in "
-                          f"one run only: {only}) in {runs[0]}, {runs[1]}: not a full match")
+    if result["steps_compared"] < want or len(result["ranks_compared"]) < ranks:  # both runs stopped early
+        raise BitdetError(f"check_end_to_end: the runs matched on {result['steps_compared']} steps of ranks "
+                          f"{result['ranks_compared']}, fewer than the {want} steps on {ranks} ranks asked for "
+                          f"({runs[0]}, {runs[1]})")
     return RunsReport(runs[0], runs[1], result["steps_compared"], len(result["ranks_compared"]),
                       len(result["metrics_compared"]), len(result["digests_compared"]))
