@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from megatron_bitdet.errors import BitdetError, BitdetInputError
-from megatron_bitdet.patching import load_declarations, split_symbol
+from megatron_bitdet.compat.patching import load_declarations, split_symbol
 from megatron_bitdet.testing import Layout, NondeterminismError
 
 REPO = Path(__file__).resolve().parents[1]

@@ -134,7 +134,7 @@ def module_rank(rank: int, world: int, *, builder, layouts, repeats, seed, threa
     """One rank of check_module: every layout x thread count, repeats compared in this process."""
     import torch
 
-    from megatron_bitdet.cpu_backend import install
+    from megatron_bitdet.compat.cpu_backend import install
     from megatron_bitdet.testing.core import RngState, compare, elements, run_once
     from megatron_bitdet.train.launch import resolve_worker
     from megatron_bitdet.train.setup import set_seeds
