@@ -19,6 +19,18 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+INSTALLED_CHECK = """
+import sysconfig
+from importlib.metadata import requires, version
+from packaging.requirements import Requirement
+import megatron_bitdet
+from megatron_bitdet import resources
+from megatron_bitdet.compat.versions import MEGATRON_CORE
+assert version("megatron-bitdet") == megatron_bitdet.__version__
+pins = [Requirement(r) for r in requires("megatron-bitdet") if Requirement(r).name == "megatron-core"]
+assert [p.specifier for p in pins] == [MEGATRON_CORE], pins  # the metadata says what the code enforces
+print(sysconfig.get_paths()["purelib"], megatron_bitdet.__file__, resources.shipped_dir("patches"))
+"""
 
 
 def readme_block(heading: str, lang: str) -> str:
@@ -62,9 +74,7 @@ def test_readme_install_block_and_guard_file_in_a_fresh_venv(tmp_path):
         out = _run(["bash", "-euo", "pipefail", "-c", readme_block("Installing into an existing Megatron environment",
                                                                    "bash")], cwd=src, env=env)
         assert "OK nemotron_h_tiny:" in out and "12 rules clear" in out, out
-        where = _run([python, "-c", "import megatron_bitdet, sysconfig; from megatron_bitdet import resources; "
-                      "print(sysconfig.get_paths()['purelib']); print(megatron_bitdet.__file__); "
-                      "print(resources.shipped_dir('patches'))"], cwd=work, env=env).split()
+        where = _run([python, "-c", INSTALLED_CHECK], cwd=work, env=env).split()
         assert all(p.startswith(where[0]) for p in where[1:]), where  # the wheel's files, not the checkout's
 
         _run([python, "-m", "pip", "install", "-q", "pytest"], cwd=work, env=env)
