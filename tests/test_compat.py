@@ -4,12 +4,16 @@ from __future__ import annotations
 import ast
 import re
 import tomllib
+from importlib.metadata import version
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 
-from megatron_bitdet.compat.patching import load_declarations
+from megatron_bitdet.compat.patching import load_declarations, parse_declaration
 from megatron_bitdet.compat.versions import MEGATRON_CORE, supports
+from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_bitdet"
@@ -41,8 +45,6 @@ def test_pyproject_pin_and_the_document_are_the_specifier():
 def test_every_shipped_patch_reads_the_specifier():
     decls = load_declarations()
     assert decls and all(d.megatron_core == MEGATRON_CORE for d in decls)
-    from importlib.metadata import version
-
     assert supports(version("megatron-core"))
 
 
@@ -57,3 +59,18 @@ def test_every_version_sensitive_module_is_listed():
 def test_every_listed_site_exists():
     absent = [s for s in sorted(_listed()) if not list(ROOT.glob(s))]
     assert not absent, f"docs/COMPAT.md lists sites that do not exist: {absent}"
+
+
+def test_patch_selection_is_read_from_the_declarations():
+    """A declaration's ``needed_when`` decides, and a malformed one is refused naming the file."""
+    base = {"id": "x", "rule": "r", "why": "w",
+            "swaps": [{"replacement": "a.b:c", "targets": ["megatron.core.m:f"]}]}
+    decl = parse_declaration({**base, "needed_when": [{"spec": "te", "layers": "E", "deterministic": False}]}, "x.yaml")
+    recipe = load_recipe(str(ROOT / "recipes" / "nemotron_h_tiny.yaml"), ["determinism.mode=false"])
+    assert decl.needed(recipe, "te") and not decl.needed(recipe, "local")
+    assert not parse_declaration(base, "x.yaml").needed(recipe, "te")
+    for bad, message in (([{"layer": "E"}], r"unknown key\(s\) \['layer'\]"), ([{"deterministic": "yes"}], "must be a bool"),
+                         ({"spec": "te"}, "must be a list")):
+        with pytest.raises(BitdetInputError, match=message) as err:
+            parse_declaration({**base, "needed_when": bad}, "x.yaml")
+        assert "x.yaml" in str(err.value)

@@ -5,6 +5,8 @@ import ast
 import re
 from pathlib import Path
 
+from megatron_bitdet.resources import KINDS
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_bitdet"
 OUTSIDE = {"megatron_bitdet", "megatron_bitdet.__main__"}  # the root facade and the entry point
@@ -18,9 +20,12 @@ def _layers() -> dict[str, int]:
 
 
 def _modules() -> dict[str, Path]:
+    """Every module of the package (shipped data folders, installed as packages too, are not code)."""
     out = {}
     for path in sorted(PACKAGE.rglob("*.py")):
         parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        if len(parts) > 1 and parts[1] in KINDS:
+            continue
         if parts[-1] == "__init__":
             parts.pop()
         out[".".join(parts)] = path
