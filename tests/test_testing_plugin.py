@@ -237,7 +237,7 @@ def test_module_check_refuses_unimportable_builders_and_bad_layouts(bitdet_modul
 # ---------------------------------------------------------------------------- end-to-end check
 
 
-@pytest.mark.timeout(600)
+@pytest.mark.timeout(1200)  # two 2-rank launches; ~25 s on a quiet machine, minutes on a loaded one
 def test_e2e_check_fails_on_the_planted_run_and_points_to_localize(bitdet_e2e_check, monkeypatch):
     monkeypatch.syspath_prepend(str(REPO))  # the ranks import the example provider
     with pytest.raises(NondeterminismError) as info:
