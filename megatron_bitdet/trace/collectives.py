@@ -105,8 +105,13 @@ def _completion(tracer, name, out_tensors, peer, where, flags=()):
     return done
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(fn):
+    return inspect.signature(fn)
+
+
 def _wrap(tracer, name, orig):
-    sig = inspect.signature(orig)
+    sig = _signature(orig)
     in_names, out_names = SPECS[name]
 
     @functools.wraps(orig)
@@ -171,18 +176,36 @@ def _targets():
     return mods
 
 
+_SITES: dict = {}
+
+
+def _sites(originals: dict) -> list:
+    """(module, attribute) pairs bound to one of ``originals`` (id -> function). Scanning every
+    megatron module costs milliseconds, so the result is kept until a module is imported."""
+    key = (len(sys.modules), frozenset(originals))
+    sites = _SITES.get(key)
+    if sites is None:
+        sites = [(mod, attr) for mod in _targets() for attr, val in list(vars(mod).items())
+                 if callable(val) and id(val) in originals]
+        _SITES.clear()
+        _SITES[key] = sites
+    return sites
+
+
 @contextmanager
 def swap_collectives(wrap, names):
     """Replace the c10d functions ``names`` by ``wrap(name, fn)`` wherever they are bound —
     torch.distributed, c10d and megatron's import-time aliases — and restore them on exit."""
-    wrappers = {id(f): wrap(n, f) for n in names if (f := getattr(c10d, n, None)) is not None}
+    originals = {id(f): (n, f) for n in names if (f := getattr(c10d, n, None)) is not None}
+    wrappers = {}
     swapped = []
-    for mod in _targets():
-        for attr, val in list(vars(mod).items()):
-            w = wrappers.get(id(val)) if callable(val) else None
-            if w is not None:
-                setattr(mod, attr, w)
-                swapped.append((mod, attr, val))
+    for mod, attr in _sites(originals):
+        val = getattr(mod, attr, None)
+        if id(val) in originals:
+            if id(val) not in wrappers:
+                wrappers[id(val)] = wrap(*originals[id(val)])
+            setattr(mod, attr, wrappers[id(val)])
+            swapped.append((mod, attr, val))
     try:
         yield
     finally:
