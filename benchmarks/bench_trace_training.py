@@ -110,6 +110,27 @@ _ENFORCED: dict = {}
 worker.before_process_group = _enforce
 
 
+def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: bool = False) -> dict:
+    """Per-round step ms of each configuration (slowest rank), from one launch of ``nproc`` ranks."""
+    from megatron_bitdet.cli.train_cmd import child_env
+    from megatron_bitdet.train.launch import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "times.json"
+        env = {**child_env(recipe), "PYTHONPATH": str(ROOT)}
+        rc = launch("benchmarks.bench_trace_training:worker", nproc,
+                    {"recipe": recipe.to_dict(), "out": str(out), "rounds": rounds, "warmup": warmup,
+                     "profile": profile}, run_dir=Path(tmp) / "launch", env=env)
+        if rc != 0:
+            raise SystemExit(f"benchmark launch failed (exit {rc})")
+        ranks = json.loads(out.read_text())
+    return {c: [max(r[c][i] for r in ranks) * 1000 for i in range(rounds)] for c in CONFIGS}
+
+
+def paired_ratio(per_round: dict, config: str) -> float:
+    return statistics.median(x / b for x, b in zip(per_round[config], per_round["untraced"]))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12)
@@ -117,29 +138,17 @@ def main() -> None:
     ap.add_argument("--profile", action="store_true")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
-    from megatron_bitdet.cli.train_cmd import child_env
     from megatron_bitdet.recipe import load_recipe
-    from megatron_bitdet.train.launch import launch
 
     recipe = load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml")
-    with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "times.json"
-        env = {**child_env(recipe), "PYTHONPATH": str(ROOT)}
-        rc = launch("benchmarks.bench_trace_training:worker", 2,
-                    {"recipe": recipe.to_dict(), "out": str(out), "rounds": args.rounds, "warmup": args.warmup,
-                     "profile": args.profile}, run_dir=Path(tmp) / "launch", env=env)
-        if rc != 0:
-            raise SystemExit(f"benchmark launch failed (exit {rc})")
-        ranks = json.loads(out.read_text())
-    per_round = {c: [max(r[c][i] for r in ranks) * 1000 for i in range(args.rounds)] for c in CONFIGS}
-    base = per_round["untraced"]
+    per_round = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup, profile=args.profile)
     print(f"\nstep time, default recipe, 2 ranks, {args.rounds} interleaved rounds after {args.warmup} warm-up "
           f"(slowest rank per round):")
     print(f"  {'config':<10} {'p10 ms':>8} {'p50 ms':>8} {'p90 ms':>8} {'paired ratio':>13}")
     for c in CONFIGS:
         xs = sorted(per_round[c])
         q = statistics.quantiles(xs, n=10)
-        ratio = statistics.median(x / b for x, b in zip(per_round[c], base))
+        ratio = paired_ratio(per_round, c)
         goal = GOALS.get(c)
         mark = "" if goal is None else f"  (goal <= {goal:.1f}x: {'ok' if ratio <= goal else 'MISSED'})"
         print(f"  {c:<10} {q[0]:8.1f} {statistics.median(xs):8.1f} {q[-1]:8.1f} {ratio:12.2f}x{mark}")

@@ -7,8 +7,6 @@ its 0-d result stays on the device until the record batch is flushed, so tracing
 from __future__ import annotations
 
 import ctypes
-import functools
-import weakref
 
 import torch
 import xxhash
@@ -88,62 +86,6 @@ def resolve(items: list) -> None:
         values = torch.stack([lst[i][1] for lst, i in entries]).cpu().tolist()
         for (lst, i), v in zip(entries, values):
             lst[i] = lst[i][0] + hex64(v)
-
-
-class DigestCache:
-    """Digests of the tensors hashed so far in one op-traced step, reused while provably unchanged.
-
-    An op's inputs are almost always earlier ops' outputs, already hashed (autograd's saved tensors
-    are other tensor objects over the same memory, so entries are keyed by data pointer, dtype, shape
-    and strides). A hit also needs the same live storage (a weak reference: the memory cannot have
-    been freed and reused) and the same ``_version`` (every in-place write through any view bumps it).
-    Writes through aliases with their own version counter (``.data``, storage views) pass through the
-    dispatch mode, which calls :meth:`written` and drops every entry on that storage. Storages touched
-    by collectives are never cached in the step (gloo/NCCL write them asynchronously, outside dispatch).
-    Only valid while the op-level dispatch mode sees every op (see ``trace.ops``).
-    """
-
-    def __init__(self, mode: str, reuse: bool = True):
-        self.mode = mode
-        if not reuse:  # every tensor hashed again: the reference the reuse is tested against
-            self.get = functools.partial(digest, mode=mode)
-        self.spans = mode == "fast"  # CPU contiguous tensors: digest = prefix + xxh3 of the byte span
-        # (data_ptr, dtype, shape, strides) -> (storage weakref, _version, digest), and for contiguous
-        # CPU tensors (data_ptr, nbytes) -> (storage weakref, _version, hex of those bytes): every view,
-        # reshape, detach or dtype view over the same bytes reuses the hex under its own prefix
-        self.entries: dict = {}
-        self.by_storage: dict = {}  # storage data_ptr -> keys of entries on it
-        self.volatile: set = set()  # storage data_ptrs never cached this step
-
-    def get(self, t: torch.Tensor):
-        span = (self.spans and t.is_contiguous() and t.device.type == "cpu" and not (t.is_conj() or t.is_neg())
-                and t.numel())
-        key = (t.data_ptr(), t.numel() * t.element_size()) if span else (t.data_ptr(), t.dtype, t.shape, t.stride())
-        e = self.entries.get(key)
-        storage = t.untyped_storage()
-        if e is not None and e[1] == t._version and e[0]() is storage:
-            return prefix(t) + e[2] if span else e[2]
-        if span:
-            hexd = f"{xxhash.xxh3_64_intdigest(_host_buffer(t)):016x}"
-            d = prefix(t) + hexd
-        else:
-            d = hexd = digest(t, self.mode)
-        sp = storage.data_ptr()
-        if sp not in self.volatile:
-            self.entries[key] = (weakref.ref(storage), t._version, hexd)
-            self.by_storage.setdefault(sp, []).append(key)
-        return d
-
-    def written(self, tensors) -> None:
-        """These tensors' storages were (or are being) written: forget every digest on them."""
-        for t in tensors:
-            for k in self.by_storage.pop(t.untyped_storage().data_ptr(), ()):
-                self.entries.pop(k, None)
-
-    def never(self, tensors) -> None:
-        """Collective buffers: written behind the dispatcher's back, never cached this step."""
-        self.written(tensors)
-        self.volatile.update(t.untyped_storage().data_ptr() for t in tensors)
 
 
 def flat_tensors(args, kwargs) -> list[torch.Tensor]:

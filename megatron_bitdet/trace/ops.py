@@ -11,7 +11,7 @@ from contextlib import contextmanager
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_bitdet.trace.digest import DigestCache, flat_tensors, prefix
+from megatron_bitdet.trace.digest import flat_tensors, prefix
 
 # collectives are recorded by the torch.distributed wrappers at completion, not at launch
 _SKIP_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "profiler"})
@@ -62,16 +62,8 @@ class _OpTraceMode(TorchDispatchMode):
         kwargs = kwargs or {}
         tr = self.tr
         info = _INFO.get(func) or _info(func)
-        cache = tr.cache
-        if info.skip:  # collectives: their buffers change outside the dispatcher, never reuse a digest
-            out = func(*args, **kwargs)
-            cache.never(flat_tensors((args, kwargs, out), None))
-            return out
-        if tr.quiet:
-            out = func(*args, **kwargs)
-            if info.write_pos:
-                cache.written(_written(info, args, kwargs))
-            return out
+        if tr.quiet or info.skip:
+            return func(*args, **kwargs)
         in_t = flat_tensors(args, kwargs)
         ins = tr.fps(in_t)
         flags = []
@@ -87,22 +79,17 @@ class _OpTraceMode(TorchDispatchMode):
         if tr.inflight and any(t.data_ptr() in tr.inflight for t in in_t):
             flags.append("reads_inflight")
         out = func(*args, **kwargs)
-        if info.write_pos:
-            if written is None:
-                written = _written(info, args, kwargs)
-            cache.written(written)
         out_t = flat_tensors((out,), None)
         if info.uninit:
             flags.append("uninit")
             outs = [prefix(t) + "uninit" for t in out_t]
-            cache.written(out_t)
             uninit.update((t.data_ptr(), None) for t in out_t)
         else:
             outs = tr.fps(out_t)
             if uninit:
                 for t in out_t:
                     uninit.pop(t.data_ptr(), None)
-                for t in written or ():
+                for t in written if written is not None else _written(info, args, kwargs):
                     uninit.pop(t.data_ptr(), None)
         if kwargs.get("non_blocking") or (info.copy and len(args) > 2 and args[2]):
             flags.append("nonblocking")
@@ -115,10 +102,8 @@ class _OpTraceMode(TorchDispatchMode):
 
 @contextmanager
 def installed(tracer):
-    tracer.cache = DigestCache(tracer.config.hash, reuse=tracer.reuse_digests)
-    try:
-        with _OpTraceMode(tracer):
+    with _OpTraceMode(tracer):
+        try:
             yield
-    finally:
-        tracer.uninit.clear()
-        tracer.cache = None
+        finally:
+            tracer.uninit.clear()

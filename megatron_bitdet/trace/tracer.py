@@ -52,8 +52,6 @@ class Tracer:
         self.quiet = 0                   # >0 while the tracer itself runs torch ops (not traced)
         self.inflight: dict[int, str] = {}  # data_ptr -> async collective whose output is not waited yet
         self.uninit: dict[int, None] = {}   # data_ptr of aten.empty* outputs not yet written
-        self.cache = None                   # a DigestCache while the op-level dispatch mode is installed
-        self.reuse_digests = True           # False: hash every op input again (the cache's reference)
         self._writer = None
         if self.enabled:
             self._writer = TraceWriter(trace_path(run_dir, rank), {
@@ -122,9 +120,6 @@ class Tracer:
     def fps(self, tensors) -> list:
         self.quiet += 1
         try:
-            if self.cache is not None:
-                get = self.cache.get
-                return [get(t) for t in tensors]
             mode = self.config.hash
             return [digest(t, mode) for t in tensors]
         finally:
