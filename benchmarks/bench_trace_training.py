@@ -26,6 +26,62 @@ CONFIGS = ("untraced", "module", "op")
 GOALS = {"module": 1.1, "op": 2.0}
 
 
+_DTYPE_BYTES = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2,
+                "bfloat16": 2, "float32": 4, "float64": 8, "complex64": 8}
+
+
+def trace_volume(run_dir: Path, rank: int) -> dict:
+    """Records and tensor bytes digested per traced step, read back from this rank's op trace."""
+    from megatron_bitdet.trace import trace_path
+
+    steps, records, nbytes = set(), 0, 0
+    with open(trace_path(run_dir, rank)) as f:
+        next(f)
+        for line in f:
+            rec = json.loads(line)
+            steps.add(rec["step"])
+            records += 1
+            for d in rec["in"] + rec["out"]:
+                dtype, _, shape = d.partition("[")
+                numel = 1
+                for n in shape.split("]")[0].split(","):
+                    numel *= int(n) if n else 1
+                nbytes += numel * _DTYPE_BYTES.get(dtype, 4)
+    return {"records_per_step": records / len(steps), "bytes_per_step": nbytes / len(steps)}
+
+
+def digest_costs() -> dict:
+    """Marginal cost of tracing one op on tiny tensors (us) and of digesting one byte (ns), in process."""
+    import torch
+
+    from megatron_bitdet.trace import Tracer
+    from megatron_bitdet.trace.digest import digest
+
+    torch.set_num_threads(2)
+    x = torch.ones(4)
+    big = torch.rand(1 << 24)
+    with tempfile.TemporaryDirectory() as tmp:
+        tr = Tracer(tmp, 0, 1, level="op")
+        n = 2000
+
+        def ops():
+            t0 = time.perf_counter()
+            for _ in range(n):
+                x.add(1.0)
+            return time.perf_counter() - t0
+        plain, traced, per_byte = [], [], []
+        for _ in range(7):
+            plain.append(ops())
+            with tr.step(1):
+                traced.append(ops())
+            t0 = time.perf_counter()
+            digest(big, "fast")
+            per_byte.append((time.perf_counter() - t0) / big.nbytes)
+        tr.close()
+    return {"us_per_op": statistics.median(t - p for t, p in zip(traced, plain)) / n * 1e6,
+            "ns_per_byte": statistics.median(per_byte) * 1e9}
+
+
 def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, warmup: int, profile: bool) -> int:
     import torch
     from megatron.core import parallel_state as ps
@@ -88,7 +144,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
     gathered = [None] * world_size
     torch.distributed.all_gather_object(gathered, times)
     if rank == 0:
-        Path(out).write_text(json.dumps(gathered))
+        Path(out).write_text(json.dumps({"times": gathered, "op_trace": trace_volume(tmp / "op", rank)}))
     torch.distributed.barrier()
     ps.destroy_model_parallel()
     return 0
@@ -123,8 +179,10 @@ def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: bool = Fal
                      "profile": profile}, run_dir=Path(tmp) / "launch", env=env)
         if rc != 0:
             raise SystemExit(f"benchmark launch failed (exit {rc})")
-        ranks = json.loads(out.read_text())
-    return {c: [max(r[c][i] for r in ranks) * 1000 for i in range(rounds)] for c in CONFIGS}
+        data = json.loads(out.read_text())
+    ranks = data["times"]
+    per_round = {c: [max(r[c][i] for r in ranks) * 1000 for i in range(rounds)] for c in CONFIGS}
+    return per_round, data["op_trace"]
 
 
 def paired_ratio(per_round: dict, config: str) -> float:
@@ -141,7 +199,8 @@ def main() -> None:
     from megatron_bitdet.recipe import load_recipe
 
     recipe = load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml")
-    per_round = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup, profile=args.profile)
+    per_round, volume = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup, profile=args.profile)
+    costs = digest_costs()
     print(f"\nstep time, default recipe, 2 ranks, {args.rounds} interleaved rounds after {args.warmup} warm-up "
           f"(slowest rank per round):")
     print(f"  {'config':<10} {'p10 ms':>8} {'p50 ms':>8} {'p90 ms':>8} {'paired ratio':>13}")
@@ -152,6 +211,12 @@ def main() -> None:
         goal = GOALS.get(c)
         mark = "" if goal is None else f"  (goal <= {goal:.1f}x: {'ok' if ratio <= goal else 'MISSED'})"
         print(f"  {c:<10} {q[0]:8.1f} {statistics.median(xs):8.1f} {q[-1]:8.1f} {ratio:12.2f}x{mark}")
+    ops, mib = volume["records_per_step"], volume["bytes_per_step"] / 2**20
+    extra = statistics.median(o - b for o, b in zip(per_round["op"], per_round["untraced"]))
+    print(f"op trace, rank 0: {ops:.0f} records and {mib:.1f} MiB of tensors digested per step; "
+          f"paired extra {extra:.1f} ms = {extra * 1000 / ops:.1f} us per record")
+    print(f"in process: {costs['us_per_op']:.1f} us per traced op on tiny tensors, "
+          f"{costs['ns_per_byte']:.3f} ns per digested byte ({1 / costs['ns_per_byte']:.1f} GB/s)")
 
 
 if __name__ == "__main__":

@@ -242,7 +242,7 @@ def training_rows(env: Env) -> list:
     tax = measure_tax(recipe, nproc=1, rounds=12, warmup=3)
     rows.append(("default recipe (EP1)", "tax", f"{tax.paired_tax_percent:+.1f}% paired ({tax.baseline.name})",
                  f"{tax.deterministic.median_ms:.2f}", f"{tax.deterministic.median_ms / tax.baseline.median_ms:.2f}x"))
-    per_round = measure(recipe, nproc=1, rounds=10, warmup=2)
+    per_round, _ = measure(recipe, nproc=1, rounds=10, warmup=2)
     base = statistics.median(per_round["untraced"])
     for level in ("module", "op"):
         rows.append(("default recipe (EP1)", f"{level} tracing", "paired median of 10 rounds",
