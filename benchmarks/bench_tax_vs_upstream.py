@@ -32,7 +32,7 @@ SHAPES = {
 
 
 def sides_for(recipe) -> list[dict]:
-    from megatron_bitdet.analysis.tax import candidates
+    from megatron_bitdet.workflows.tax import candidates
 
     sides = candidates(recipe)
     bitdet, nondet = sides[0], sides[1:]
@@ -70,7 +70,7 @@ def report(shape: str, stats) -> None:
 
 
 def main() -> int:
-    from megatron_bitdet.analysis.tax import TaxConfig, run_sides, with_measured_batches
+    from megatron_bitdet.workflows.tax import TaxConfig, run_sides, with_measured_batches
     from megatron_bitdet.recipe import load_recipe
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -168,7 +168,7 @@ worker.before_process_group = _enforce
 
 def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: bool = False) -> dict:
     """Per-round step ms of each configuration (slowest rank), from one launch of ``nproc`` ranks."""
-    from megatron_bitdet.cli.train_cmd import child_env
+    from megatron_bitdet.train.run import child_env
     from megatron_bitdet.train.launch import launch
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -231,12 +231,12 @@ def training_rows(env: Env) -> list:
     recipe = load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml", ["parallel.expert=1"])
     if env.dry:
         from benchmarks.bench_trace_training import measure  # noqa: F401  (importable: the real run uses it)
-        from megatron_bitdet.analysis.tax import measure_tax  # noqa: F401
+        from megatron_bitdet.workflows.tax import measure_tax  # noqa: F401
 
         return [("default recipe (EP1)", "tax", "dry run: not launched", "", ""),
                 ("default recipe (EP1)", "op tracing", "dry run: not launched", "", "")]
     from benchmarks.bench_trace_training import measure, paired_ratio
-    from megatron_bitdet.analysis.tax import measure_tax
+    from megatron_bitdet.workflows.tax import measure_tax
 
     rows = []
     tax = measure_tax(recipe, nproc=1, rounds=12, warmup=3)

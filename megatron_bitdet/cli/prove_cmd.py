@@ -10,8 +10,8 @@ import sys
 from megatron_bitdet.cli.train_cmd import add_run_args, load_run_recipe
 
 EXAMPLES = """examples:
-  bitdet prove --recipe recipes/nemotron_h_tiny.yaml --out runs/demo          # what `make demo` runs
-  bitdet prove --recipe recipes/nemotron_h_tiny.yaml --out runs/p --resume-at 3,6 training.iterations=9
+  bitdet prove --recipe nemotron_h_tiny --out runs/demo          # what `make demo` runs
+  bitdet prove --recipe nemotron_h_tiny --out runs/p --resume-at 3,6 training.iterations=9
   bitdet prove --recipe R --out runs/p --no-tax
 
 OUT: run_a/ (reference, with live-state snapshots), run_b/, resume/segment_*/, tax/, report.html"""
@@ -35,8 +35,8 @@ def run(args) -> int:
 
     from rich.console import Console
 
-    from megatron_bitdet.analysis.prove import ProveConfig, prove, verdict_table
-    from megatron_bitdet.analysis.resume import parse_resume_at
+    from megatron_bitdet.workflows.prove import ProveConfig, prove, verdict_table
+    from megatron_bitdet.workflows.resume import parse_resume_at
 
     recipe = load_run_recipe(args)
     resume_at = parse_resume_at(args.resume_at) if args.resume_at else None

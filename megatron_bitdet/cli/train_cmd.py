@@ -4,12 +4,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 EXAMPLES = """examples:
-  bitdet train --recipe recipes/nemotron_h_tiny.yaml --deterministic-mode --nproc 2 --run-dir runs/a
-  bitdet train --recipe recipes/nemotron_h_tiny.yaml --nproc 2 --run-dir runs/a --save-interval 4
-  bitdet train --recipe recipes/nemotron_h_tiny.yaml --nproc 2 --run-dir runs/b --load runs/a/checkpoints
+  bitdet train --recipe nemotron_h_tiny --deterministic-mode --nproc 2 --run-dir runs/a
+  bitdet train --recipe nemotron_h_tiny --nproc 2 --run-dir runs/a --save-interval 4
+  bitdet train --recipe nemotron_h_tiny --nproc 2 --run-dir runs/b --load runs/a/checkpoints
   bitdet train --recipe R --nproc 2 --run-dir runs/c --model-provider my_models:provider parallel.tensor=2
   bitdet train --recipe R --nproc 2 --run-dir runs/t --trace op --trace-steps 3-4 --trace-ranks 0
   torchrun --nproc-per-node 8 -m megatron_bitdet train --recipe R --nproc 8 --run-dir runs/gpu   # GPU cluster
@@ -18,10 +17,17 @@ run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, checkpoints/iter_N/
                traces/rank_XXXXX.trace.jsonl (with --trace)"""
 
 
+def _default_nproc() -> int:
+    from megatron_bitdet.train.launch import under_torchrun
+
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2
+
+
 def add_run_args(p) -> None:
     """Arguments shared by every command that trains (train, verify-resume, prove, tax)."""
-    p.add_argument("--recipe", required=True, metavar="YAML", help="bitdet recipe")
-    p.add_argument("--nproc", type=int, default=2, help="ranks on this machine (default 2)")
+    p.add_argument("--recipe", required=True, metavar="RECIPE", help="a shipped recipe's name (e.g. nemotron_h_tiny) or a recipe YAML file")
+    p.add_argument("--nproc", type=int, default=_default_nproc(),
+                   help="ranks on this machine (default 2; under torchrun its WORLD_SIZE)")
     p.add_argument("--deterministic-mode", action="store_true",
                    help="force determinism.mode=true (the recipe's default); determinism.mode=false runs the baseline")
     p.add_argument("--model-provider", metavar="MODULE:FUNC",
@@ -52,8 +58,8 @@ def add_trace_args(p) -> None:
     g.add_argument("--trace-hash", default="fast", metavar="HASH", help="tensor digest: fast (default), exact, xor")
 
 
-def trace_settings(args) -> dict | None:
-    """The ``trace`` dict ``launch_training`` takes, validated here (exit 2 before any rank starts)."""
+def trace_settings(args):
+    """The run's ``TraceConfig`` from the tracing flags, validated here (exit 2 before any rank starts)."""
     from megatron_bitdet.analysis.compare import parse_ranks
     from megatron_bitdet.errors import BitdetInputError
     from megatron_bitdet.trace import TraceConfig
@@ -72,8 +78,7 @@ def trace_settings(args) -> dict | None:
         if not 1 <= steps[0] <= steps[1]:
             raise BitdetInputError(f"--trace-steps {args.trace_steps}: need 1 <= A <= B")
     ranks = parse_ranks(args.trace_ranks) if args.trace_ranks else None
-    TraceConfig(args.trace, tuple(steps), frozenset(ranks) if ranks else None, args.trace_hash)
-    return {"level": args.trace, "steps": steps, "ranks": ranks, "hash": args.trace_hash}
+    return TraceConfig(args.trace, tuple(steps), frozenset(ranks) if ranks else None, args.trace_hash)
 
 
 def load_run_recipe(args):
@@ -85,74 +90,6 @@ def load_run_recipe(args):
     return load_recipe(args.recipe, overrides)
 
 
-def check_layout(recipe, nproc: int) -> None:
-    from megatron_bitdet.errors import BitdetInputError
-
-    p = recipe.parallel
-    if recipe.model.has("E") and p.tensor > 1 and not p.sequence_parallel:
-        raise BitdetInputError(f"parallel.tensor={p.tensor} with MoE layers needs parallel.sequence_parallel=true "
-                               "(megatron-core refuses MoE with tensor parallelism but without sequence parallelism)")
-    model_parallel = p.tensor * p.pipeline * p.context
-    if nproc % model_parallel:
-        raise BitdetInputError(f"--nproc {nproc} is not divisible by tensor x pipeline x context = {model_parallel}")
-    if recipe.model.moe.num_experts:
-        expert_parallel = p.expert * p.expert_tensor * p.pipeline
-        if nproc % expert_parallel:
-            raise BitdetInputError(
-                f"--nproc {nproc} is not divisible by expert x expert_tensor x pipeline = {expert_parallel}"
-            )
-        if recipe.model.moe.num_experts % p.expert:
-            raise BitdetInputError(f"model.moe.num_experts={recipe.model.moe.num_experts} is not divisible by "
-                                   f"parallel.expert={p.expert}")
-    dp = nproc // model_parallel
-    t = recipe.training
-    if t.lr_schedule.warmup_iters >= t.iterations:
-        raise BitdetInputError(f"training.lr_schedule.warmup_iters={t.lr_schedule.warmup_iters} must be < "
-                               f"training.iterations={t.iterations} (megatron's scheduler needs decay steps)")
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise BitdetInputError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
-                               f"micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
-
-
-def child_env(recipe) -> dict:
-    """The canonical determinism environment, validated here and handed to every rank before its
-    interpreter starts (NCCL, cuBLAS and TE read these at first use)."""
-    from megatron_bitdet.enforce import plan
-    from megatron_bitdet.enforce.env import effective_env
-    from megatron_bitdet.errors import DeterminismViolation
-
-    env = {"PYTHONUNBUFFERED": "1"}
-    if sys.stdout.isatty():
-        env["BITDET_INTERACTIVE"] = "1"
-    if not recipe.determinism.mode:
-        return env
-    settings, _, violations, _ = plan(recipe, late=False)
-    if violations:
-        raise DeterminismViolation(violations)
-    env.update(effective_env(settings))
-    return env
-
-
-def launch_training(recipe, *, nproc: int, run_dir, save=None, save_interval=None, load=None,
-                    model_provider=None, stop_at=None, argv=None, snapshot_at=(), fault_skip_restore=(),
-                    trace=None) -> int:
-    """Train ``recipe`` on ``nproc`` local ranks (or join torchrun); returns the exit code.
-
-    ``trace``: None (off) or ``{"level", "steps": [a, b], "ranks": [...] | None, "hash"}``."""
-    from megatron_bitdet.train.launch import launch
-
-    check_layout(recipe, nproc)
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    interval = recipe.checkpoint.save_interval if save_interval is None else save_interval
-    args = {
-        "recipe": recipe.to_dict(), "run_dir": str(run_dir), "save": save, "save_interval": interval,
-        "load": load, "model_provider": model_provider, "stop_at": stop_at, "argv": argv,
-        "snapshot_at": list(snapshot_at), "fault_skip_restore": list(fault_skip_restore), "trace": trace,
-    }
-    return launch("megatron_bitdet.train.worker:worker", nproc, args, run_dir=run_dir, env=child_env(recipe),
-                  console_rank=-1)
-
-
 def run(args) -> int:
     trace = trace_settings(args)
     recipe = load_run_recipe(args)
@@ -162,10 +99,13 @@ def run(args) -> int:
         sys.path.insert(0, os.getcwd())
         load_model_provider(args.model_provider)  # fail here, before any rank starts
     if args.load:
-        from megatron_bitdet.train.checkpoint import resolve_checkpoint
+        from megatron_bitdet.train.checkpoint import resolve_checkpoint, verify_checkpoint
 
-        resolve_checkpoint(args.load)  # an incomplete or foreign checkpoint is refused before any rank starts
-    return launch_training(
-        recipe, nproc=args.nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval,
-        load=args.load, model_provider=args.model_provider, stop_at=args.stop_at, argv=sys.argv, trace=trace,
-    )
+        # an incomplete, foreign or corrupt checkpoint is refused before any rank starts
+        verify_checkpoint(resolve_checkpoint(args.load))
+    from megatron_bitdet.train.run import RunOptions, launch_training
+
+    return launch_training(recipe, RunOptions(
+        nproc=args.nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval, load=args.load,
+        model_provider=args.model_provider, stop_at=args.stop_at, argv=sys.argv, trace=trace,
+    ))

@@ -14,7 +14,7 @@ import sys
 from megatron_bitdet.cli.train_cmd import add_run_args, load_run_recipe
 
 EXAMPLES = """examples:
-  bitdet verify-resume --recipe recipes/nemotron_h_tiny.yaml --resume-at 2,5
+  bitdet verify-resume --recipe nemotron_h_tiny --resume-at 2,5
   bitdet verify-resume --recipe R --resume-at 4 --out runs/vr --json training.iterations=8
 
 out directory: reference/ (uninterrupted run with live-state snapshots) and one run directory per
@@ -39,7 +39,7 @@ def register(subparsers, summary: str) -> None:
 
 
 def run(args) -> int:
-    from megatron_bitdet.analysis.resume import check_resume_at, parse_resume_at, verify_resume
+    from megatron_bitdet.workflows.resume import check_resume_at, parse_resume_at, verify_resume
 
     recipe = load_run_recipe(args)
     resume_at = check_resume_at(parse_resume_at(args.resume_at), recipe.training.iterations)

@@ -2,21 +2,19 @@
 
 Inputs are fingerprinted before the call, outputs after completion: for async ops at `wait()` of the
 returned Work (wrapped). Each record names its peers (group ranks, src / dst as global ranks) so the
-analysis can follow a differing input to the rank that sent it. Megatron binds some functions at
-import (`dist_all_gather_func = torch.distributed.all_gather_into_tensor`); those module aliases are
-swapped too.
+analysis can follow a differing input to the rank that sent it. ``compat.collectives`` swaps them in
+wherever megatron bound them.
 """
 from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import threading
 from contextlib import contextmanager
 
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
+from megatron_bitdet.compat.collectives import swap_collectives
 from megatron_bitdet.trace.digest import trace_tensors
 
 # name -> (argument names holding inputs, argument names holding outputs)
@@ -167,50 +165,6 @@ def _wrap_batch(tracer, orig):
                     r()
         return [TracedWork(w, one_done) for w in works]
     return wrapper
-
-
-def _targets():
-    """Modules whose attributes may hold the torch.distributed functions (ours and megatron's aliases)."""
-    mods = [dist, c10d]
-    mods += [m for n, m in list(sys.modules.items()) if n.startswith("megatron.core") and m is not None]
-    return mods
-
-
-_SITES: dict = {}
-
-
-def _sites(originals: dict) -> list:
-    """(module, attribute) pairs bound to one of ``originals`` (id -> function). Scanning every
-    megatron module costs milliseconds, so the result is kept until a module is imported."""
-    key = (len(sys.modules), frozenset(originals))
-    sites = _SITES.get(key)
-    if sites is None:
-        sites = [(mod, attr) for mod in _targets() for attr, val in list(vars(mod).items())
-                 if callable(val) and id(val) in originals]
-        _SITES.clear()
-        _SITES[key] = sites
-    return sites
-
-
-@contextmanager
-def swap_collectives(wrap, names):
-    """Replace the c10d functions ``names`` by ``wrap(name, fn)`` wherever they are bound —
-    torch.distributed, c10d and megatron's import-time aliases — and restore them on exit."""
-    originals = {id(f): (n, f) for n in names if (f := getattr(c10d, n, None)) is not None}
-    wrappers = {}
-    swapped = []
-    for mod, attr in _sites(originals):
-        val = getattr(mod, attr, None)
-        if id(val) in originals:
-            if id(val) not in wrappers:
-                wrappers[id(val)] = wrap(*originals[id(val)])
-            setattr(mod, attr, wrappers[id(val)])
-            swapped.append((mod, attr, val))
-    try:
-        yield
-    finally:
-        for mod, attr, val in swapped:
-            setattr(mod, attr, val)
 
 
 @contextmanager

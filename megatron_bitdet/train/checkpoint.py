@@ -19,15 +19,11 @@ import numpy as np
 import torch
 import xxhash
 
+from megatron_bitdet.compat.checkpoint import SHARDED_METADATA, load_optimizer_state, prepare_optimizer_for_load
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.rundir import LATEST, iter_dir
 
 META = "bitdet_meta.json"
-LATEST = "latest"
-SHARDED_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False}
-
-
-def iter_dir(root, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -126,8 +122,8 @@ def save_checkpoint(root, iteration: int, *, ddp_modules, optimizer, scheduler, 
     dist.barrier()
     if rank == 0:
         meta = {"iteration": iteration, "world_size": world, "files": _file_digests(tmp), "manifest": manifest}
-        with open(tmp / META, "w") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
+        with open(tmp / META, "wb") as f:
+            f.write(_meta_bytes(meta))
             f.flush()
             os.fsync(f.fileno())
         if final.exists():
@@ -144,8 +140,8 @@ def resolve_checkpoint(path) -> Path:
     """``path`` is a checkpoints root (use ``latest``) or one ``iter_N`` directory; verify it is complete."""
     path = Path(path)
     if (path / LATEST).is_file():
-        text = (path / LATEST).read_text().strip()
-        if not text.isdigit():
+        text = (path / LATEST).read_bytes().decode("utf-8", errors="replace").strip()
+        if not text.isdigit() or not text.isascii():
             raise BitdetInputError(f"{path / LATEST}: expected an iteration number, found {text[:40]!r}")
         path = iter_dir(path, int(text))
     if not (path / META).is_file():
@@ -156,49 +152,55 @@ def resolve_checkpoint(path) -> Path:
     return path
 
 
-def verify_checkpoint(path: Path) -> dict:
-    """Check every file against the digests recorded at save; return the metadata."""
+def _meta_digest(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return "xxh3_128:" + xxhash.xxh3_128_hexdigest(json.dumps(body, indent=1, sort_keys=True).encode())
+
+
+def _meta_bytes(meta: dict) -> bytes:
+    """The canonical bytes of bitdet_meta.json, carrying a digest of its own content: a changed byte
+    anywhere (in a digest, the manifest or the layout) is refused, not trusted."""
+    return json.dumps({**meta, "digest": _meta_digest(meta)}, indent=1, sort_keys=True).encode()
+
+
+def read_meta(path: Path) -> dict:
+    """``path/bitdet_meta.json``, exactly as saved; BitdetInputError naming the file otherwise."""
+    where = path / META
     try:
-        meta = json.loads((path / META).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BitdetInputError(f"{path / META}: unreadable checkpoint metadata: {exc}") from exc
-    actual = _file_digests(path)
-    expected = meta.get("files", {})
-    missing = sorted(set(expected) - set(actual))
-    changed = sorted(k for k in expected if k in actual and actual[k] != expected[k])
-    if missing or changed:
-        parts = [f"missing: {', '.join(missing)}"] if missing else []
-        parts += [f"digest mismatch: {', '.join(changed)}"] if changed else []
-        raise BitdetInputError(f"{path}: checkpoint is corrupt ({'; '.join(parts)})")
+        raw = where.read_bytes()
+        meta = json.loads(raw.decode("utf-8"))
+    except OSError as exc:
+        raise BitdetInputError(f"{where}: unreadable checkpoint metadata: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise BitdetInputError(f"{where}: corrupt checkpoint metadata (not UTF-8 at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise BitdetInputError(f"{where}:{exc.lineno}: corrupt checkpoint metadata (not JSON: {exc.msg})") from None
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise BitdetInputError(f"{where}: corrupt checkpoint metadata (no 'files' digest table)")
+    for key in ("iteration", "world_size"):
+        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
+            raise BitdetInputError(f"{where}: corrupt checkpoint metadata ({key!r} is not an integer)")
+    if meta.get("digest") != _meta_digest(meta) or raw != _meta_bytes(meta):
+        raise BitdetInputError(f"{where}: corrupt checkpoint metadata (its content does not match its digest, "
+                               "or it was rewritten: the file is not as saved)")
     return meta
 
 
-def _saved_steps(tree) -> set:
-    """Every ``param_groups[*].step`` in a loaded (possibly chained) optimizer state dict."""
-    if isinstance(tree, dict):
-        found = {float(g["step"]) for g in tree.get("param_groups", []) if isinstance(g, dict) and "step" in g}
-        for key, value in tree.items():
-            if key != "param_groups":
-                found |= _saved_steps(value)
-        return found
-    return set()
-
-
-def _restore_adam_steps(optimizer, loaded: dict) -> None:
-    """megatron 0.16.1 + torch Adam restores "step" wrongly on two counts: the dp_reshardable loader
-    copies the (unsaved) per-param step back over the restored one, and the restored ones share a
-    single tensor that torch increments once per param. Each param gets its own copy of the saved step,
-    and the serialized copy megatron leaves in each param group is dropped, so the live state equals
-    an uninterrupted run's."""
-    steps = _saved_steps(loaded)
-    if len(steps) > 1:
-        raise BitdetInputError(f"checkpoint optimizer state holds inconsistent steps {sorted(steps)}")
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for param_state in opt.optimizer.state.values():
-            if "step" in param_state and steps:
-                param_state["step"] = torch.tensor(next(iter(steps)), dtype=torch.float32)
-        for group in opt.optimizer.param_groups:
-            group.pop("step", None)  # the serialized copy; torch Adam reads only the per-param step
+def verify_checkpoint(path: Path) -> dict:
+    """Check the metadata and every file against the digests recorded at save; return the metadata."""
+    meta = read_meta(path)
+    actual = _file_digests(path)
+    expected = meta["files"]
+    missing = sorted(set(expected) - set(actual))
+    extra = sorted(set(actual) - set(expected))
+    changed = sorted(k for k in expected if k in actual and actual[k] != expected[k])
+    if missing or changed or extra:
+        parts = [f"missing: {', '.join(missing)}"] if missing else []
+        parts += [f"digest mismatch: {', '.join(changed)}"] if changed else []
+        parts += [f"not saved with it: {', '.join(extra)}"] if extra else []
+        raise BitdetInputError(f"{path}: checkpoint is corrupt ({'; '.join(parts)})")
+    return meta
 
 
 def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int) -> tuple[int, dict]:
@@ -213,13 +215,7 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
             "resume needs the same layout"
         )
     rank = torch.distributed.get_rank()
-    # A fresh optimizer has no state yet; megatron needs the tensors to exist to describe the shards.
-    # Its torch-Adam init_state_fn omits "step", which the distributed optimizer's state_dict reads.
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if opt.init_state_fn is not None:
-            opt.init_state_fn(opt.optimizer, opt.config)
-            for param_state in opt.optimizer.state.values():
-                param_state.setdefault("step", torch.tensor(0.0))
+    prepare_optimizer_for_load(optimizer)
     template = _sharded_state_dict(
         ddp_modules, optimizer, rank=rank, world=world_size, is_loading=True,
         extra={"rank_state": None, "scheduler": None, "iteration": None},
@@ -228,8 +224,6 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
     keys = [k for k in state if k.startswith("model")]
     for key, m in zip(sorted(keys), ddp_modules):
         m.module.load_state_dict(state[key], strict=True)
-    with torch.no_grad():  # megatron copies into leaf params in place (no_grad is missing upstream)
-        optimizer.load_state_dict(state["optimizer"])
-    _restore_adam_steps(optimizer, state["optimizer"])
+    load_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["iteration"]), state["bitdet_rank_state"]
