@@ -47,7 +47,7 @@ def tree_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
         buf = x[:h] + x[h : 2 * h]
         if n % 2:
             buf[h - 1] += x[2 * h]
-        levels = _level_views(buf, h)
+        levels = _level_views(buf, h, host=False)
     else:
         buf, levels = _levels(h, tuple(x.shape[1:]), x.dtype, x.device)
         torch.add(x[:h], x[h : 2 * h], out=buf)
@@ -56,7 +56,8 @@ def tree_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     for lo, hi, tail in levels:
         lo += hi
         if tail is not None:
-            tail[0] += tail[1]
+            last, odd = tail  # one-row slices: views (a numpy index would give a copy)
+            last += odd
     return buf[0].clone()
 
 
@@ -64,17 +65,17 @@ _WORKSPACES: dict = {}
 _WORKSPACE_BYTES = 64 << 20
 
 
-def _level_views(buf: torch.Tensor, n: int) -> list:
+def _level_views(buf: torch.Tensor, n: int, host: bool = True) -> list:
     """(first half, second half, (last pair, odd tail) or None) of every level folding ``buf[:n]``.
 
     On the CPU the views are numpy arrays over the same memory: an in-place numpy add on a small view
     costs a third of torch's dispatch, and float32/float64 addition is IEEE-exact in both, so the bits
     are the same."""
-    views = buf.numpy() if buf.device.type == "cpu" and buf.dtype in (torch.float32, torch.float64) else buf
+    views = buf.numpy() if host and buf.device.type == "cpu" and buf.dtype in (torch.float32, torch.float64) else buf
     levels = []
     while n > 1:
         h = n // 2
-        levels.append((views[:h], views[h : 2 * h], (views[h - 1], views[2 * h]) if n % 2 else None))
+        levels.append((views[:h], views[h : 2 * h], (views[h - 1 : h], views[2 * h : 2 * h + 1]) if n % 2 else None))
         n = h
     return levels
 
