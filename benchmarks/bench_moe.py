@@ -7,6 +7,7 @@ Configurations are interleaved per round; prints median ms of each and the ratio
 """
 from __future__ import annotations
 
+import math
 import os
 import statistics
 import tempfile
@@ -30,7 +31,7 @@ from megatron.core.transformer.moe.experts import SequentialMLP  # noqa: E402
 from megatron.core.transformer.transformer_config import TransformerConfig  # noqa: E402
 
 from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP  # noqa: E402
-from megatron_bitdet.kernels.moe_aux import switch_load_balancing_loss_func  # noqa: E402
+from megatron_bitdet.kernels.moe_aux import DEFAULT_AUX_CONFIG, switch_load_balancing_loss_func  # noqa: E402
 
 ROUNDS, WARMUP = 15, 3
 
@@ -45,6 +46,7 @@ class MLPSize:
 
 
 AUX_SIZES = [(4096, 64), (32768, 128)]
+AUX_BLOCK = DEFAULT_AUX_CONFIG.block_rows
 MLP_SIZES = [MLPSize("tiny", 64, 32, 64, 4), MLPSize("modest", 4096, 256, 512, 8)]
 
 
@@ -92,6 +94,14 @@ def main():
             [aux_case(f, probs, counts, tokens, experts) for f in (moe_utils.switch_load_balancing_loss_func, switch_load_balancing_loss_func)]
         )
         print(f"{f'aux loss T={tokens} E={experts}':38s} {base * 1e3:12.3f} {ours * 1e3:9.3f} {ours / base:10.2f}")
+        fwd = [lambda f=f: f(probs, counts, tokens, 6, experts, 1e-2)
+               for f in (moe_utils.switch_load_balancing_loss_func, switch_load_balancing_loss_func)]
+        fb, fo = paired_medians(fwd)
+        print(f"{'  forward only':38s} {fb * 1e3:12.3f} {fo * 1e3:9.3f} {fo / fb:10.2f}")
+        levels = sum(math.ceil(math.log2(n)) for n in (AUX_BLOCK, math.ceil(tokens / AUX_BLOCK), experts) if n > 1)
+        view = torch.empty(2, 1)
+        (add,) = paired_medians([lambda: view[0].add_(view[1])])
+        print(f"{'  (tree: %d dependent levels; one eager add on a tiny view costs %.1f us)' % (levels, add * 1e6):38s}")
     for s in MLP_SIZES:
         config = TransformerConfig(
             num_layers=1, hidden_size=s.hidden, num_attention_heads=4, ffn_hidden_size=s.ffn, moe_ffn_hidden_size=s.ffn,

@@ -16,16 +16,33 @@ def megatron_modules() -> list:
     return [m for n, m in list(sys.modules.items()) if n.startswith("megatron.core") and m is not None]
 
 
+_SITES: dict = {}
+
+
+def _sites(by_id: dict, modules: list) -> list[tuple]:
+    """(module, attr) of every global of ``modules`` bound to an original in ``by_id``. Scanning every
+    megatron module's globals costs milliseconds (the tracer swaps per traced step), so the sites are
+    kept for the same modules and originals: a copy is made at import, when the module list changes."""
+    key = (tuple(map(id, modules)), frozenset(by_id))
+    sites = _SITES.get(key)
+    if sites is None:
+        sites = [(m, attr) for m in modules for attr, value in list(vars(m).items()) if id(value) in by_id]
+        if len(_SITES) > 16:
+            _SITES.clear()
+        _SITES[key] = sites
+    return sites
+
+
 def rebind(replacements: dict, modules=None) -> list[tuple]:
     """``replacements``: original -> replacement, matched by identity. Returns (module, attr, original)."""
     by_id = {id(old): new for old, new in replacements.items()}
     changed = []
-    for module in megatron_modules() if modules is None else modules:
-        for attr, value in list(vars(module).items()):
-            new = by_id.get(id(value))
-            if new is not None and new is not value:
-                setattr(module, attr, new)
-                changed.append((module, attr, value))
+    for module, attr in _sites(by_id, megatron_modules() if modules is None else list(modules)):
+        value = vars(module).get(attr)
+        new = by_id.get(id(value))
+        if new is not None and new is not value:
+            setattr(module, attr, new)
+            changed.append((module, attr, value))
     return changed
 
 

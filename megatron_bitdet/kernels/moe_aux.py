@@ -34,23 +34,65 @@ DEFAULT_AUX_CONFIG = AuxLossConfig()
 
 def tree_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     """Sum along ``dim`` by a fixed pairwise tree: element i is added to element i + n//2, an odd
-    tail is added to the last pair; repeat. The order depends only on the length along ``dim``."""
+    tail is added to the last pair; repeat. The order depends only on the length along ``dim``.
+
+    One elementwise add per tree level, never one per pair; the levels after the first fold in
+    place into a workspace whose level views are made once per shape (see :func:`_levels`)."""
     x = x.movedim(dim, 0)
     n = x.shape[0]
     if n <= 1:
         return x.sum(0) if n == 0 else x[0].clone()
     h = n // 2
-    buf = x[:h] + x[h : 2 * h]  # the one materialized intermediate; later levels fold in place
-    if n % 2:
-        buf[h - 1] += x[2 * h]
-    n = h
+    if torch.is_grad_enabled() and x.requires_grad:  # differentiable: no shared workspace, no out=
+        buf = x[:h] + x[h : 2 * h]
+        if n % 2:
+            buf[h - 1] += x[2 * h]
+        levels = _level_views(buf, h, host=False)
+    else:
+        buf, levels = _levels(h, tuple(x.shape[1:]), x.dtype, x.device)
+        torch.add(x[:h], x[h : 2 * h], out=buf)
+        if n % 2:
+            buf[h - 1] += x[2 * h]
+    for lo, hi, tail in levels:
+        lo += hi
+        if tail is not None:
+            last, odd = tail  # one-row slices: views (a numpy index would give a copy)
+            last += odd
+    return buf[0].clone()
+
+
+_WORKSPACES: dict = {}
+_WORKSPACE_BYTES = 64 << 20
+
+
+def _level_views(buf: torch.Tensor, n: int, host: bool = True) -> list:
+    """(first half, second half, (last pair, odd tail) or None) of every level folding ``buf[:n]``.
+
+    On the CPU the views are numpy arrays over the same memory: an in-place numpy add on a small view
+    costs a third of torch's dispatch, and float32/float64 addition is IEEE-exact in both, so the bits
+    are the same."""
+    views = buf.numpy() if host and buf.device.type == "cpu" and buf.dtype in (torch.float32, torch.float64) else buf
+    levels = []
     while n > 1:
         h = n // 2
-        buf[:h] += buf[h : 2 * h]
-        if n % 2:
-            buf[h - 1] += buf[2 * h]
+        levels.append((views[:h], views[h : 2 * h], (views[h - 1 : h], views[2 * h : 2 * h + 1]) if n % 2 else None))
         n = h
-    return buf[0]
+    return levels
+
+
+def _levels(h: int, rest: tuple, dtype, device) -> tuple:
+    """The workspace of a tree over ``2h`` or ``2h + 1`` rows of shape ``rest`` and its level views,
+    kept per shape (bounded in bytes) because the aux loss runs with one shape per MoE layer."""
+    key = (h, rest, dtype, device)
+    ws = _WORKSPACES.get(key)
+    if ws is None:
+        buf = torch.empty((h, *rest), dtype=dtype, device=device)
+        ws = (buf, _level_views(buf, h))
+        if buf.numel() * buf.element_size() <= _WORKSPACE_BYTES // 8:
+            if sum(b.numel() * b.element_size() for b, _ in _WORKSPACES.values()) > _WORKSPACE_BYTES:
+                _WORKSPACES.clear()
+            _WORKSPACES[key] = ws
+    return ws
 
 
 def block_partials(probs: torch.Tensor, block_rows: int) -> torch.Tensor:

@@ -103,8 +103,13 @@ def _completion(tracer, name, out_tensors, peer, where, flags=()):
     return done
 
 
+@functools.lru_cache(maxsize=None)
+def _signature(fn):
+    return inspect.signature(fn)
+
+
 def _wrap(tracer, name, orig):
-    sig = inspect.signature(orig)
+    sig = _signature(orig)
     in_names, out_names = SPECS[name]
 
     @functools.wraps(orig)

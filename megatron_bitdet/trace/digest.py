@@ -15,6 +15,7 @@ from megatron_bitdet.fingerprint.tensor import dtype_name, exact_digest, hashabl
 
 HASHES = ("fast", "exact", "xor")
 _CHAR_ARRAYS: dict[int, type] = {}
+_PREFIXES: dict = {}
 
 
 def _host_buffer(t: torch.Tensor):
@@ -29,7 +30,13 @@ def _host_buffer(t: torch.Tensor):
 
 
 def prefix(t: torch.Tensor) -> str:
-    return f"{dtype_name(t.dtype)}[{','.join(map(str, t.shape))}]:"
+    key = (t.dtype, t.shape)
+    p = _PREFIXES.get(key)
+    if p is None:
+        if len(_PREFIXES) > 65536:
+            _PREFIXES.clear()
+        p = _PREFIXES[key] = f"{dtype_name(t.dtype)}[{','.join(map(str, t.shape))}]:"
+    return p
 
 
 def digest(t: torch.Tensor, mode: str):
@@ -79,6 +86,20 @@ def resolve(items: list) -> None:
         values = torch.stack([lst[i][1] for lst, i in entries]).cpu().tolist()
         for (lst, i), v in zip(entries, values):
             lst[i] = lst[i][0] + hex64(v)
+
+
+def flat_tensors(args, kwargs) -> list[torch.Tensor]:
+    """``trace_tensors((args, kwargs))`` for the usual op arguments (tensors, lists of tensors,
+    scalars) without the pytree walk; anything nested deeper goes through the pytree."""
+    out = []
+    for group in (args, kwargs.values() if kwargs else ()):
+        for a in group:
+            if isinstance(a, torch.Tensor):
+                if a.layout == torch.strided and a.device.type != "meta":
+                    out.append(a)
+            elif isinstance(a, (list, tuple, dict)):
+                out += trace_tensors(a)
+    return out
 
 
 def trace_tensors(obj) -> list[torch.Tensor]:

@@ -23,6 +23,38 @@ def event_id(rec: dict) -> str:
     return f"{rec['step']}/{rec['phase']}/{rec['scope']}/{rec['name']}#{rec['n']}"
 
 
+_JSON_STRINGS: dict[str, str] = {}
+
+
+def _js(s: str) -> str:
+    v = _JSON_STRINGS.get(s)
+    if v is None:
+        if len(_JSON_STRINGS) > 65536:
+            _JSON_STRINGS.clear()
+        v = _JSON_STRINGS[s] = json.dumps(s)
+    return v
+
+
+def _digest_list(xs: list) -> str:
+    if not xs:
+        return "[]"
+    body = '","'.join(xs)
+    if '"' in body or "\\" in body or not body.isascii():
+        return json.dumps(xs, separators=(",", ":"))
+    return '["' + body + '"]'
+
+
+def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str, ins: list, outs: list,
+                extra: dict) -> str:
+    """One record as its JSONL line: exactly ``json.dumps`` of the record dict (compact separators),
+    built from cached pieces because an op-level trace writes thousands of lines a step."""
+    line = (f'{{"step":{step},"phase":{_js(phase)},"scope":{_js(scope)},"name":{_js(name)},"n":{n},'
+            f'"k":{_js(kind)},"in":{_digest_list(ins)},"out":{_digest_list(outs)}')
+    if extra:
+        line += "," + json.dumps(extra, separators=(",", ":"))[1:-1]
+    return line + "}"
+
+
 class TraceWriter:
     """Buffered writer that only ever appends complete, flushed lines."""
 

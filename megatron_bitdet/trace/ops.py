@@ -11,28 +11,46 @@ from contextlib import contextmanager
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_bitdet.trace.digest import prefix, trace_tensors
+from megatron_bitdet.trace.digest import flat_tensors, prefix
 
 # collectives are recorded by the torch.distributed wrappers at completion, not at launch
 _SKIP_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "profiler"})
 _UNINIT = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
-_WRITES: dict = {}
+_INFO: dict = {}
 
 
-def _written(func) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """Positions and names of the arguments this op writes (in-place / out=), from its schema."""
-    w = _WRITES.get(func)
-    if w is None:
-        args = func._schema.arguments
-        hit = [(i, a.name) for i, a in enumerate(args) if a.alias_info is not None and a.alias_info.is_write]
-        w = _WRITES[func] = (tuple(i for i, _ in hit), tuple(n for _, n in hit))
-    return w
+class _OpInfo:
+    """What the dispatch mode needs to know about an op, computed once per overload."""
+
+    __slots__ = ("name", "skip", "uninit", "copy", "write_pos", "write_names")
+
+    def __init__(self, func):
+        base = func._overloadpacket.__name__
+        self.name = str(func)
+        self.skip = func.namespace in _SKIP_NAMESPACES
+        self.uninit = base in _UNINIT
+        self.copy = base == "copy_"
+        hit = [(i, a.name) for i, a in enumerate(func._schema.arguments)
+               if a.alias_info is not None and a.alias_info.is_write]
+        self.write_pos = tuple(i for i, _ in hit)
+        self.write_names = tuple(n for _, n in hit)
 
 
-def _split_written(func, args, kwargs):
-    pos, names = _written(func)
-    written = [args[i] for i in pos if i < len(args)] + [kwargs[n] for n in names if n in kwargs]
-    return trace_tensors(written)
+def _info(func) -> _OpInfo:
+    info = _INFO.get(func)
+    if info is None:
+        info = _INFO[func] = _OpInfo(func)
+    return info
+
+
+def _written(info: _OpInfo, args, kwargs) -> list:
+    """The tensors this op writes (in-place / out=), from its schema."""
+    if not info.write_pos:
+        return []
+    written = [args[i] for i in info.write_pos if i < len(args)]
+    if kwargs:
+        written += [kwargs[n] for n in info.write_names if n in kwargs]
+    return flat_tensors(written, None)
 
 
 class _OpTraceMode(TorchDispatchMode):
@@ -43,33 +61,42 @@ class _OpTraceMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         tr = self.tr
-        if tr.quiet or func.namespace in _SKIP_NAMESPACES:
+        info = _INFO.get(func) or _info(func)
+        if tr.quiet or info.skip:
             return func(*args, **kwargs)
-        in_t = trace_tensors((args, kwargs))
+        in_t = flat_tensors(args, kwargs)
         ins = tr.fps(in_t)
         flags = []
-        if tr.uninit:
-            written = {id(t) for t in _split_written(func, args, kwargs)}
-            if any(id(t) not in written and t.data_ptr() in tr.uninit for t in in_t):
-                flags.append("reads_uninit")
+        uninit = tr.uninit
+        written = None
+        if uninit:
+            hits = [t for t in in_t if t.data_ptr() in uninit]
+            if hits:
+                written = _written(info, args, kwargs)
+                ids = {id(t) for t in written}
+                if any(id(t) not in ids for t in hits):
+                    flags.append("reads_uninit")
         if tr.inflight and any(t.data_ptr() in tr.inflight for t in in_t):
             flags.append("reads_inflight")
         out = func(*args, **kwargs)
-        out_t = trace_tensors(out)
-        base = func._overloadpacket.__name__
-        if base in _UNINIT:
+        out_t = flat_tensors((out,), None)
+        if info.uninit:
             flags.append("uninit")
             outs = [prefix(t) + "uninit" for t in out_t]
-            tr.uninit.update((t.data_ptr(), None) for t in out_t)
+            uninit.update((t.data_ptr(), None) for t in out_t)
         else:
             outs = tr.fps(out_t)
-            if tr.uninit:
-                for t in [*out_t, *_split_written(func, args, kwargs)]:
-                    tr.uninit.pop(t.data_ptr(), None)
-        if kwargs.get("non_blocking") or (base == "copy_" and len(args) > 2 and args[2]):
+            if uninit:
+                for t in out_t:
+                    uninit.pop(t.data_ptr(), None)
+                for t in written if written is not None else _written(info, args, kwargs):
+                    uninit.pop(t.data_ptr(), None)
+        if kwargs.get("non_blocking") or (info.copy and len(args) > 2 and args[2]):
             flags.append("nonblocking")
-        extra = {"flags": flags} if flags else {}
-        tr.record("op", str(func), ins, outs, **extra)
+        if flags:
+            tr.record("op", info.name, ins, outs, flags=flags)
+        else:
+            tr.record("op", info.name, ins, outs)
         return out
 
 

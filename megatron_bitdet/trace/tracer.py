@@ -5,7 +5,6 @@ wrappers are put in place when a step inside the window begins and removed when 
 """
 from __future__ import annotations
 
-import json
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
@@ -14,7 +13,7 @@ import torch
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.trace import collectives, hooks, ops
 from megatron_bitdet.trace.digest import HASHES, digest, resolve, trace_tensors
-from megatron_bitdet.trace.format import LEVELS, TraceWriter, trace_path
+from megatron_bitdet.trace.format import LEVELS, TraceWriter, record_line, trace_path
 
 _FLUSH_EVERY = 4096
 
@@ -129,9 +128,9 @@ class Tracer:
 
     # -- records --------------------------------------------------------------------------------
     def fps(self, tensors) -> list:
-        mode = self.config.hash
         self.quiet += 1
         try:
+            mode = self.config.hash
             return [digest(t, mode) for t in tensors]
         finally:
             self.quiet -= 1
@@ -143,10 +142,7 @@ class Tracer:
         key = (ph, sc, name)
         n = self._counts.get(key, 0)
         self._counts[key] = n + 1
-        rec = {"step": self._step, "phase": ph, "scope": sc, "name": name, "n": n, "k": kind,
-               "in": ins, "out": outs}
-        rec.update(extra)
-        self._buf.append(rec)
+        self._buf.append((self._step, ph, sc, name, n, kind, ins, outs, extra))
         if len(self._buf) >= _FLUSH_EVERY:
             self.flush()
 
@@ -165,8 +161,8 @@ class Tracer:
         if not self._buf or self._writer is None:
             return
         buf, self._buf = self._buf, []
-        resolve([r["in"] for r in buf] + [r["out"] for r in buf])
-        self._writer.write_lines([json.dumps(r, separators=(",", ":")) for r in buf])
+        resolve([r[6] for r in buf] + [r[7] for r in buf])
+        self._writer.write_lines([record_line(*r) for r in buf])
 
     def close(self) -> None:
         self.flush()

@@ -100,9 +100,14 @@ class TaxResult:
                 f"{self.config.rounds} rounds on {self.nproc} ranks x {self.threads} threads; grew most: {self.dominant}")
 
 
-def _candidates(recipe) -> list[dict]:
+def candidates(recipe) -> list[dict]:
     """Every side to build: the deterministic recipe first, then the nondeterministic candidates (each
-    rank picks the sides' patch sets itself, once the CPU seams let megatron's layer modules import)."""
+    rank picks the sides' patch sets itself, once the CPU seams let megatron's layer modules import).
+
+    A side is {"name", "recipe" (dict), "deterministic" (torch's flag)} plus, optionally, "swaps"
+    (bitdet's kernel swaps; default: the deterministic flag), "without_patches" (patch ids the recipe
+    would get that this side runs without) and "fill_uninitialized_memory" (torch's NaN-fill; default:
+    the run recipe's)."""
     sides = [{"name": "deterministic", "recipe": recipe.to_dict(), "deterministic": True}]
     moe = recipe.model.has("E")
     impls = ["sequential", "grouped"] + (["te_grouped"] if _on_cuda() else []) if moe else [None]
@@ -137,28 +142,20 @@ def _stats(side: dict, per_rank: list[dict], tokens_per_step: int) -> SideStats:
     )
 
 
-def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_dir=None, profile_steps: int = 2,
-                model_provider: str | None = None) -> TaxResult:
-    """Measure the tax of ``recipe`` (determinism.mode must be true) on ``nproc`` local ranks."""
-    from megatron_bitdet.recipe import Recipe
+def run_sides(recipe, sides: list, *, nproc: int, config: "TaxConfig", out_dir, model_provider: str | None = None):
+    """Build ``sides`` (see :func:`candidates`) on every rank of ONE launch and alternate their steps.
+
+    Returns (stats per side, in order; threads per rank; rank 0's phase seconds)."""
     from megatron_bitdet.train.launch import launch
     from megatron_bitdet.train.run import check_layout, child_env
 
-    cfg = TaxConfig(rounds=rounds, warmup=warmup, profile_steps=profile_steps)
-    if not recipe.determinism.mode:
-        raise BitdetInputError("the tax compares the deterministic recipe with a baseline: "
-                               "determinism.mode must be true (the baseline is derived from it)")
     check_layout(recipe, nproc)
-    d = recipe.to_dict()
-    d["training"]["iterations"] = cfg.warmup + cfg.rounds + cfg.profile_steps  # the batches the rounds consume
-    recipe = Recipe.from_dict(d, source=getattr(recipe, "source", "<recipe>"))
-    sides = _candidates(recipe)
-    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="bitdet_tax_"))
+    out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / "tax_raw.json"
     raw.unlink(missing_ok=True)
-    rc = launch(WORKER, nproc, {"recipe": recipe.to_dict(), "sides": sides, "rounds": cfg.rounds,
-                                "warmup": cfg.warmup, "profile_steps": cfg.profile_steps, "out_path": str(raw),
+    rc = launch(WORKER, nproc, {"recipe": recipe.to_dict(), "sides": sides, "rounds": config.rounds,
+                                "warmup": config.warmup, "profile_steps": config.profile_steps, "out_path": str(raw),
                                 "model_provider": model_provider},
                 run_dir=out_dir, env={**child_env(recipe), **QUIET_PROFILER}, console_rank=-1)
     if rc != 0 or not raw.exists():
@@ -167,20 +164,43 @@ def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_di
     t = recipe.training
     tokens = t.global_batch_size * recipe.model.seq_length
     stats = [_stats(side, [rank[i] for rank in data["ranks"]], tokens) for i, side in enumerate(sides)]
-    det, candidates = stats[0], stats[1:]
-    base = min(candidates, key=lambda s: s.median_ms)
+    return stats, data["threads"], data["phases_s"]
+
+
+def with_measured_batches(recipe, config: "TaxConfig"):
+    """``recipe`` with exactly the iterations the rounds consume (the batches every side sees)."""
+    from megatron_bitdet.recipe import Recipe
+
+    d = recipe.to_dict()
+    d["training"]["iterations"] = config.warmup + config.rounds + config.profile_steps
+    return Recipe.from_dict(d, source=getattr(recipe, "source", "<recipe>"))
+
+
+def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_dir=None, profile_steps: int = 2,
+                model_provider: str | None = None) -> TaxResult:
+    """Measure the tax of ``recipe`` (determinism.mode must be true) on ``nproc`` local ranks."""
+    cfg = TaxConfig(rounds=rounds, warmup=warmup, profile_steps=profile_steps)
+    if not recipe.determinism.mode:
+        raise BitdetInputError("the tax compares the deterministic recipe with a baseline: "
+                               "determinism.mode must be true (the baseline is derived from it)")
+    recipe = with_measured_batches(recipe, cfg)
+    sides = candidates(recipe)
+    out_dir = Path(out_dir or tempfile.mkdtemp(prefix="bitdet_tax_"))
+    stats, threads, phases = run_sides(recipe, sides, nproc=nproc, config=cfg, out_dir=out_dir,
+                                       model_provider=model_provider)
+    det, others = stats[0], stats[1:]
+    base = min(others, key=lambda s: s.median_ms)
     notes = [f"baseline = fastest nondeterministic candidate: {base.name} "
-             f"(candidates: {', '.join(f'{c.name} {c.median_ms:.2f} ms' for c in candidates)})",
+             f"(candidates: {', '.join(f'{c.name} {c.median_ms:.2f} ms' for c in others)})",
              "one launch: every rank builds all sides and alternates their steps on the same batches; "
              "process-wide determinism env vars apply to every side",
              "peak memory: " + ("CUDA allocator peak per step" if det.peak_memory_mib and _on_cuda()
                                 else "process RSS high-water per step (VmHWM reset via /proc/self/clear_refs; "
                                      "includes all sides' resident models: compare by difference)")]
     paired = float(np.median([a / b - 1 for a, b in zip(det.step_ms, base.step_ms)]) * 100)
-    result = TaxResult(deterministic=det, baseline=base, candidates=candidates,
+    result = TaxResult(deterministic=det, baseline=base, candidates=others,
                        tax_percent=(det.median_ms / base.median_ms - 1) * 100, paired_tax_percent=paired,
-                       nproc=nproc, threads=data["threads"], config=cfg,
-                       phases_s=data["phases_s"], notes=notes)
+                       nproc=nproc, threads=threads, config=cfg, phases_s=phases, notes=notes)
     (out_dir / "tax.json").write_text(result.to_json())
     return result
 

@@ -61,6 +61,7 @@ class Side:
     patches: list
     deterministic: bool
     swaps: list = field(default_factory=list)  # the enforcement's resolved swaps (deterministic side only)
+    fill: bool = False  # torch.utils.deterministic.fill_uninitialized_memory during its steps
     state: object = None
     data: object = None
     step_s: list = field(default_factory=list)
@@ -155,6 +156,7 @@ def _activate(side: Side) -> None:
     if missing:
         apply_patches(load_declarations(ids=missing))
     torch.use_deterministic_algorithms(side.deterministic)
+    torch.utils.deterministic.fill_uninitialized_memory = side.fill
 
 
 def _build(side: Side, provider) -> None:
@@ -240,9 +242,11 @@ def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds:
     built = []
     for s in sides:
         r = Recipe.from_dict(s["recipe"], source=f"<tax {s['name']}>")
-        swaps = list(enforcement.rules.swaps) if s["deterministic"] else []
-        built.append(Side(s["name"], r, select_patches(r, family=resolve_spec_family(r), swaps=swaps),
-                          s["deterministic"], swaps))
+        swaps = list(enforcement.rules.swaps) if s.get("swaps", s["deterministic"]) else []
+        patches = [p for p in select_patches(r, family=resolve_spec_family(r), swaps=swaps)
+                   if p not in s.get("without_patches", ())]
+        built.append(Side(s["name"], r, patches, s["deterministic"], swaps,
+                          fill=s.get("fill_uninitialized_memory", run_recipe.determinism.fill_uninitialized_memory)))
     phases = {"start": time.perf_counter()}
     for side in built:
         _build(side, provider)

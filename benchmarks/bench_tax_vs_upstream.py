@@ -1,0 +1,96 @@
+"""The determinism tax side by side: bitdet's deterministic recipe vs upstream's deterministic mode vs
+the fastest nondeterministic recipe, same model and batches, ONE interleaved launch per shape.
+
+    .venv/bin/python benchmarks/bench_tax_vs_upstream.py [--rounds 20] [--warmup 3] [--nproc 2] [--shapes default,large]
+
+Sides (built side by side on every rank by the tax worker, steps alternated A B C .., .. C B A):
+* bitdet      -- the recipe as bitdet runs it (kernel swaps, its torch flags; fill_uninitialized_memory
+                 as the recipe says, off by default);
+* upstream    -- megatron ``deterministic_mode`` + ``torch.use_deterministic_algorithms(True)`` with
+                 torch's default ``fill_uninitialized_memory=True``, megatron's own experts, no swaps;
+* baseline    -- the fastest nondeterministic candidate (determinism off, each expert implementation).
+Shapes: the default recipe (hidden 64, seq 64) and a larger one (hidden 256, seq 256). Prints p10/p50/
+p90 step times, paired ratios (median over rounds of side/baseline and bitdet/upstream), and the
+per-op-group profile of the pair that differs most.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+SHAPES = {
+    "default": [],
+    "large": ["model.hidden_size=256", "model.seq_length=256", "model.ffn_hidden_size=512",
+              "model.moe.ffn_hidden_size=256", "model.moe.shared_expert_ffn_hidden_size=256"],
+}
+
+
+def sides_for(recipe) -> list[dict]:
+    from megatron_bitdet.workflows.tax import candidates
+
+    sides = candidates(recipe)
+    bitdet, nondet = sides[0], sides[1:]
+    bitdet["name"] = "bitdet"
+    up = recipe.to_dict()
+    if "E" in up["model"]["hybrid_pattern"]:
+        up["model"]["moe"]["expert_impl"] = "sequential"  # megatron's own experts (TE's grouped GEMM on GPU)
+    upstream = {"name": "upstream", "recipe": up, "deterministic": True, "swaps": False,
+                "without_patches": ["moe_aux_loss"], "fill_uninitialized_memory": True}
+    return [bitdet, upstream, *nondet]
+
+
+def paired(a, b) -> float:
+    return float(np.median(np.asarray(a) / np.asarray(b)))
+
+
+def report(shape: str, stats) -> None:
+    bitdet, upstream, *nondet = stats
+    base = min(nondet, key=lambda s: s.median_ms)
+    print(f"\n== {shape}: {len(bitdet.step_ms)} interleaved rounds; baseline = {base.name} "
+          f"(of {', '.join(f'{c.name} {c.median_ms:.1f} ms' for c in nondet)})")
+    print(f"  {'side':<22} {'p10 ms':>8} {'p50 ms':>8} {'p90 ms':>8} {'paired vs baseline':>19}")
+    for s in (bitdet, upstream, base):
+        print(f"  {s.name:<22} {s.p10_ms:8.1f} {s.median_ms:8.1f} {s.p90_ms:8.1f} "
+              f"{(paired(s.step_ms, base.step_ms) - 1) * 100:+18.1f}%")
+    print(f"  bitdet vs upstream (paired): {(paired(bitdet.step_ms, upstream.step_ms) - 1) * 100:+.1f}%")
+    pairs = [(bitdet, base), (upstream, base), (bitdet, upstream)]
+    a, b = max(pairs, key=lambda p: abs(paired(p[0].step_ms, p[1].step_ms) - 1))
+    groups = sorted(set(a.op_groups_ms) | set(b.op_groups_ms),
+                    key=lambda g: -abs(a.op_groups_ms.get(g, 0.0) - b.op_groups_ms.get(g, 0.0)))
+    print(f"  op groups of the largest difference, {a.name} vs {b.name} (profiled self time, ms/step):")
+    for g in groups:
+        x, y = a.op_groups_ms.get(g, 0.0), b.op_groups_ms.get(g, 0.0)
+        print(f"    {g:<22} {x:8.2f} {y:8.2f} {x - y:+8.2f}")
+
+
+def main() -> int:
+    from megatron_bitdet.workflows.tax import TaxConfig, run_sides, with_measured_batches
+    from megatron_bitdet.recipe import load_recipe
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--recipe", default=str(ROOT / "recipes/nemotron_h_tiny.yaml"))
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--shapes", default="default,large")
+    args = p.parse_args()
+    cfg = TaxConfig(rounds=args.rounds, warmup=args.warmup, profile_steps=2)
+    for shape in args.shapes.split(","):
+        recipe = with_measured_batches(load_recipe(args.recipe, SHAPES[shape]), cfg)
+        out = tempfile.mkdtemp(prefix=f"bench_tax_upstream_{shape}_")
+        stats, threads, _ = run_sides(recipe, sides_for(recipe), nproc=args.nproc, config=cfg, out_dir=out)
+        m = recipe.model
+        print(f"\n[{shape}] hidden {m.hidden_size}, seq {m.seq_length}, {args.nproc} ranks x {threads} threads; "
+              f"rank logs: {out}/logs")
+        report(shape, stats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
