@@ -12,6 +12,7 @@ The reference therefore saves nothing; it only snapshots and fingerprints.
 """
 from __future__ import annotations
 
+import json
 import shutil
 import struct
 from dataclasses import asdict, dataclass, field
@@ -24,6 +25,7 @@ _MISSING = object()
 # Snapshot entries that are split one level deeper into components of their own (rng.python, ...).
 _SPLIT = ("rng",)
 _META = ("step", "rank")
+REPORT_FILE = "verify_resume.json"
 
 
 @dataclass
@@ -264,8 +266,24 @@ def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_pr
         _compare_outputs(reference_dir, run_dir, point)
         points.append(point)
         previous = run_dir
-    return ResumeReport(recipe=recipe.name, reference_dir=str(reference_dir), out_dir=str(out_dir),
-                        resume_at=steps, iterations=iterations, faults=faults, points=points, checks=checks)
+    report = ResumeReport(recipe=recipe.name, reference_dir=str(reference_dir), out_dir=str(out_dir),
+                          resume_at=steps, iterations=iterations, faults=faults, points=points, checks=checks)
+    (out_dir / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=1))
+    return report
+
+
+def load_resume_report(out_dir) -> dict | None:
+    """A saved verify-resume report (what `bitdet doctor` reads), or None when there is none."""
+    path = Path(out_dir) / REPORT_FILE
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise BitdetInputError(f"{path}: not a verify-resume report (corrupt JSON)") from None
+    if not isinstance(data, dict) or not isinstance(data.get("points"), list) or "holds" not in data:
+        raise BitdetInputError(f"{path}: not a verify-resume report")
+    return data
 
 
 def _compare_outputs(reference_dir: Path, run_dir: Path, point: ResumePoint) -> None:

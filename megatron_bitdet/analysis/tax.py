@@ -114,6 +114,14 @@ def _candidates(recipe) -> list[dict]:
     return sides
 
 
+def _with_iterations(recipe, iterations: int):
+    from megatron_bitdet.recipe import Recipe
+
+    d = recipe.to_dict()
+    d["training"]["iterations"] = iterations
+    return Recipe.from_dict(d, source=getattr(recipe, "source", "<recipe>"))
+
+
 def _pct(xs, q) -> float:
     return float(np.percentile(np.asarray(xs, dtype=np.float64), q))
 
@@ -137,21 +145,28 @@ def _stats(side: dict, per_rank: list[dict], tokens_per_step: int) -> SideStats:
 
 
 def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_dir=None, profile_steps: int = 2,
-                model_provider: str | None = None) -> TaxResult:
-    """Measure the tax of ``recipe`` (determinism.mode must be true) on ``nproc`` local ranks."""
+                model_provider: str | None = None, against=None, against_provider: str | None = None) -> TaxResult:
+    """Measure the tax of ``recipe`` (determinism.mode must be true) on ``nproc`` local ranks.
+
+    ``against``: measure ``recipe`` against that one recipe (with ``against_provider``) instead of the
+    nondeterministic candidates: a fix's cost, the fixed configuration vs the original one."""
     from megatron_bitdet.cli.train_cmd import check_layout, child_env
-    from megatron_bitdet.recipe import Recipe
     from megatron_bitdet.train.launch import launch
 
     cfg = TaxConfig(rounds=rounds, warmup=warmup, profile_steps=profile_steps)
-    if not recipe.determinism.mode:
+    if against is None and not recipe.determinism.mode:
         raise BitdetInputError("the tax compares the deterministic recipe with a baseline: "
                                "determinism.mode must be true (the baseline is derived from it)")
     check_layout(recipe, nproc)
-    d = recipe.to_dict()
-    d["training"]["iterations"] = cfg.warmup + cfg.rounds + cfg.profile_steps  # the batches the rounds consume
-    recipe = Recipe.from_dict(d, source=getattr(recipe, "source", "<recipe>"))
-    sides = _candidates(recipe)
+    steps = cfg.warmup + cfg.rounds + cfg.profile_steps  # the batches the rounds consume
+    recipe = _with_iterations(recipe, steps)
+    if against is None:
+        sides = _candidates(recipe)
+    else:
+        sides = [{"name": "fixed", "recipe": recipe.to_dict(), "deterministic": recipe.determinism.mode,
+                  "model_provider": model_provider},
+                 {"name": "original", "recipe": _with_iterations(against, steps).to_dict(),
+                  "deterministic": against.determinism.mode, "model_provider": against_provider}]
     out_dir = Path(out_dir or tempfile.mkdtemp(prefix="bitdet_tax_"))
     out_dir.mkdir(parents=True, exist_ok=True)
     raw = out_dir / "tax_raw.json"
@@ -168,8 +183,9 @@ def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_di
     stats = [_stats(side, [rank[i] for rank in data["ranks"]], tokens) for i, side in enumerate(sides)]
     det, candidates = stats[0], stats[1:]
     base = min(candidates, key=lambda s: s.median_ms)
-    notes = [f"baseline = fastest nondeterministic candidate: {base.name} "
-             f"(candidates: {', '.join(f'{c.name} {c.median_ms:.2f} ms' for c in candidates)})",
+    notes = [(f"baseline = fastest nondeterministic candidate: {base.name} "
+              f"(candidates: {', '.join(f'{c.name} {c.median_ms:.2f} ms' for c in candidates)})") if against is None
+             else "baseline = the original (unfixed) configuration; the fixed one is measured against it",
              "one launch: every rank builds all sides and alternates their steps on the same batches; "
              "process-wide determinism env vars apply to every side",
              "peak memory: " + ("CUDA allocator peak per step" if det.peak_memory_mib and _on_cuda()

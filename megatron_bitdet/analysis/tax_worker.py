@@ -143,8 +143,12 @@ class PeakMemory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+_DEFAULT_THREADS: list = []
+
+
 def _activate(side: Side) -> None:
-    """Make this process run ``side``: its exact patch set and torch's deterministic-algorithms flag."""
+    """Make this process run ``side``: its exact patch set, torch's deterministic-algorithms flag and
+    its thread count (a deterministic recipe's determinism.threads, else torch's default)."""
     from megatron_bitdet.patching import applied_patches, apply_patches, load_declarations, revert_patches
 
     have = [p["id"] for p in applied_patches()]
@@ -155,6 +159,8 @@ def _activate(side: Side) -> None:
     if missing:
         apply_patches(load_declarations(ids=missing))
     torch.use_deterministic_algorithms(side.deterministic)
+    det = side.recipe.determinism
+    torch.set_num_threads(det.threads if det.mode and det.threads is not None else _DEFAULT_THREADS[0])
 
 
 def _build(side: Side, provider) -> None:
@@ -233,7 +239,7 @@ def _profile(side: Side, steps: int) -> None:
 
 def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds: int, warmup: int,
                profile_steps: int, out_path: str, model_provider: str | None = None) -> int:
-    """``sides``: [{"name", "recipe" (dict), "deterministic"}], the deterministic one first."""
+    """``sides``: [{"name", "recipe" (dict), "deterministic", "model_provider"?}], the deterministic one first."""
     from megatron.core import parallel_state as ps
 
     from megatron_bitdet import cpu_backend
@@ -245,15 +251,16 @@ def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds:
 
     cpu_backend.install()
     init_parallel(_ENFORCEMENT["recipe"])
-    provider = load_model_provider(model_provider)
-    built = []
+    _DEFAULT_THREADS[:] = [torch.get_num_threads()]
+    built, providers = [], []
     for s in sides:
         r = Recipe.from_dict(s["recipe"], source=f"<tax {s['name']}>")
         swaps = list(_ENFORCEMENT["enforcement"].rules.swaps) if s["deterministic"] else []
         built.append(Side(s["name"], r, select_patches(r, family=resolve_spec_family(r), swaps=swaps),
                           s["deterministic"], swaps))
+        providers.append(load_model_provider(s.get("model_provider", model_provider)))
     phases = {"start": time.perf_counter()}
-    for side in built:
+    for side, provider in zip(built, providers):
         _build(side, provider)
     phases["built"] = time.perf_counter()
     comm, memory = CommTimer(), PeakMemory()

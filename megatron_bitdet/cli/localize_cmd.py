@@ -9,6 +9,7 @@ import sys
 
 from pathlib import Path
 
+from megatron_bitdet.analysis.diagnose import diagnose, facts_from_ladder
 from megatron_bitdet.analysis.ladder import LadderConfig, describe, run_ladder
 from megatron_bitdet.analysis.localize import FALSE_ALARMS, MATCH, LocalizeConfig, localize_traces
 from megatron_bitdet.trace.format import LEVELS, trace_dir
@@ -31,6 +32,10 @@ def register(subparsers, summary: str) -> None:
                    help=f"ladder rungs, in order (default {','.join(LEVELS)})")
     p.add_argument("--context", type=int, default=LadderConfig.context, metavar="K",
                    help="ladder: steps traced before the first divergent one (default %(default)s)")
+    p.add_argument("--no-kernel", action="store_true",
+                   help="ladder: stop at the op rung (no capture re-run, no isolated replay of the culprit op)")
+    p.add_argument("--repeats", type=int, default=LadderConfig.repeats, metavar="N",
+                   help="kernel rung: replays of the captured op per configuration (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--workers", type=int, default=0, help="parallel processes (default: one per CPU)")
     p.add_argument("--history", type=int, default=LocalizeConfig.history,
@@ -40,6 +45,7 @@ def register(subparsers, summary: str) -> None:
 
 def _print_table(result) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -61,12 +67,17 @@ def _print_table(result) -> None:
         c = result.culprit
         console.print(f"[bold]culprit:[/] rank {c['rank']} {c['classification']} at {c['event_id']}: {c['evidence']}"
                       + note)
+        console.print(escape(diagnose(facts_from_ladder({"culprit": c})).headline()), highlight=False)
+        if c["classification"] == "producer":
+            console.print("kernel rung: run `bitdet localize RUN_A RUN_B` without --traces-only on fingerprint-only "
+                          "runs (it re-runs them and captures this op), or `bitdet replay-op` on a capture")
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {w}")
 
 
 def _print_ladder(result) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
     console = Console()
     if not result.diverged:
@@ -79,9 +90,14 @@ def _print_ladder(result) -> None:
         console.print(f"  {r.level:<8} steps {r.steps[0]}-{r.steps[1]} ranks {'all' if r.ranks is None else r.ranks}"
                       f" ({r.events_compared} events): {found}")
     if result.reproduced:
-        console.print(f"[bold]culprit:[/] {describe(result.culprit)}")
+        console.print(f"[bold]culprit:[/] {escape(describe(result.culprit))}")
+        if result.kernel:
+            console.print(f"[bold]kernel:[/]  {escape(result.kernel['verdict'])}", highlight=False)
+            for line in result.kernel.get("evidence", []):
+                console.print(f"  {escape(line)}", highlight=False)
     else:
-        console.print(f"[yellow]{result.note}[/]")
+        console.print(f"[yellow]{escape(result.note)}[/]")
+    console.print(escape(diagnose(facts_from_ladder(result.to_json())).headline()), highlight=False)
 
 
 def run(args) -> int:
@@ -89,7 +105,8 @@ def run(args) -> int:
     if not args.traces_only and not (trace_dir(args.run_a).is_dir() and trace_dir(args.run_b).is_dir()):
         levels = tuple(filter(None, (lv.strip() for lv in args.levels.split(","))))
         ladder = run_ladder(Path(args.run_a), Path(args.run_b),
-                            LadderConfig(levels=levels, context=args.context, localize=local))
+                            LadderConfig(levels=levels, context=args.context, localize=local,
+                                         kernel=not args.no_kernel, repeats=args.repeats))
         if args.json:
             json.dump(ladder.to_json(), sys.stdout, indent=1)
             sys.stdout.write("\n")

@@ -54,7 +54,21 @@ class _OpTraceMode(TorchDispatchMode):
                 flags.append("reads_uninit")
         if tr.inflight and any(t.data_ptr() in tr.inflight for t in in_t):
             flags.append("reads_inflight")
+        cap = tr.capture
+        armed = cap is not None and not cap.done and tr.next_id(str(func)) == cap.event_id
+        if armed:
+            tr.quiet += 1
+            try:
+                pending = cap.before(func, args, kwargs)
+            finally:
+                tr.quiet -= 1
         out = func(*args, **kwargs)
+        if armed:
+            tr.quiet += 1
+            try:
+                cap.after(pending, out)
+            finally:
+                tr.quiet -= 1
         out_t = trace_tensors(out)
         base = func._overloadpacket.__name__
         if base in _UNINIT:

@@ -13,8 +13,9 @@ import torch
 
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.trace import collectives, hooks, ops
+from megatron_bitdet.trace.capture import DEFAULT_MAX_BYTES, OpCapture
 from megatron_bitdet.trace.digest import HASHES, digest, resolve, trace_tensors
-from megatron_bitdet.trace.format import LEVELS, TraceWriter, trace_path
+from megatron_bitdet.trace.format import LEVELS, TraceWriter, event_id, trace_path
 
 _FLUSH_EVERY = 4096
 
@@ -38,7 +39,8 @@ class Tracer:
 
     def __init__(self, run_dir, rank: int, world_size: int, level: str = "semantic",
                  steps: tuple[int, int] = (1, 1 << 62), ranks=None, hash: str = "fast",
-                 manifest_digest: str | None = None):
+                 manifest_digest: str | None = None, capture: dict | None = None):
+        """``capture``: {"rank", "event_id", "max_bytes"?} arms an OpCapture of that op occurrence (op level)."""
         self.config = TraceConfig(level, tuple(steps), frozenset(ranks) if ranks is not None else None, hash)
         self.rank = rank
         self.enabled = ranks is None or rank in self.config.ranks
@@ -54,6 +56,12 @@ class Tracer:
         self.inflight: dict[int, str] = {}  # data_ptr -> async collective whose output is not waited yet
         self.uninit: dict[int, None] = {}   # data_ptr of aten.empty* outputs not yet written
         self._writer = None
+        self.capture = None
+        if capture and capture.get("rank") == rank and self.enabled:
+            if level != "op":
+                raise BitdetInputError("capturing an op occurrence needs trace level 'op'")
+            self.capture = OpCapture(run_dir, rank, capture["event_id"], capture.get("max_bytes", DEFAULT_MAX_BYTES),
+                                     context={"manifest_digest": manifest_digest})
         if self.enabled:
             self._writer = TraceWriter(trace_path(run_dir, rank), {
                 "rank": rank, "world_size": world_size, "level": level, "steps": list(self.config.steps),
@@ -118,6 +126,12 @@ class Tracer:
         return phase, self._scope[-1] if self._scope else ""
 
     # -- records --------------------------------------------------------------------------------
+    def next_id(self, name: str) -> str:
+        """The event id the next record named ``name`` would get here (for arming a capture)."""
+        ph, sc = self.current()
+        return event_id({"step": self._step, "phase": ph, "scope": sc, "name": name,
+                         "n": self._counts.get((ph, sc, name), 0)})
+
     def fps(self, tensors) -> list:
         mode = self.config.hash
         self.quiet += 1

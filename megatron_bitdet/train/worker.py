@@ -115,7 +115,7 @@ def _tracer(trace: dict | None, run_dir: Path, rank: int, world_size: int, state
 
     tracer = Tracer(run_dir, rank, world_size, level=trace["level"], steps=tuple(trace["steps"]),
                     ranks=trace.get("ranks"), hash=trace.get("hash", "fast"),
-                    manifest_digest=manifest["recipe_digest"])
+                    manifest_digest=manifest["recipe_digest"], capture=trace.get("capture"))
     tracer.attach([m.module for m in state.ddp_modules])
     return tracer
 

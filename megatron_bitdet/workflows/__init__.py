@@ -1,0 +1,1 @@
+"""Workflows that launch runs and combine analyses: fixcheck, doctor."""
