@@ -12,6 +12,11 @@ run to run; rank 1 receives the difference through collectives.
 ``index_put_provider`` reproduces the real CPU nondeterminism of docs: megatron's deterministic
 embedding path (``weight[ids]``, backward ``index_put_(accumulate=True)``) without torch's
 deterministic algorithms; run it with ``determinism.mode=false`` (torch's flag off).
+
+``autotune_provider`` makes the dense MLP linears pick a split-K kernel configuration by timing the
+candidates at run time (an autotuner): runs differ from step 1 by the choices timing noise makes.
+``fused_aux_loss_provider`` computes the MoE load-balancing loss with per-expert sums accumulated in
+arrival order (a fused aux-loss kernel with atomics): only the aux loss differs.
 """
 from __future__ import annotations
 
@@ -27,14 +32,19 @@ SPLITS = 8
 PLANT_RANK = 0
 
 
-@torch.library.custom_op("bitdet_example::atomic_sum", mutates_args=())
-def atomic_sum(partials: torch.Tensor) -> torch.Tensor:
-    """Sum over dim 0 in a run-to-run varying order (one op to the dispatcher: inputs equal, output not)."""
+def _arrival_order_sum(partials: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 in an order drawn from os.urandom, as atomic adds land in arrival order."""
     order = random.SystemRandom().sample(range(partials.shape[0]), partials.shape[0])
     out = partials[order[0]].clone()
     for i in order[1:]:
         out += partials[i]
     return out
+
+
+@torch.library.custom_op("bitdet_example::atomic_sum", mutates_args=())
+def atomic_sum(partials: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 in a run-to-run varying order (one op to the dispatcher: inputs equal, output not)."""
+    return _arrival_order_sum(partials)
 
 
 @atomic_sum.register_fake
@@ -163,12 +173,7 @@ def autotune_provider(recipe, config, *, pre_process: bool = True, post_process:
 def atomic_expert_sum(probs: torch.Tensor, blocks: int) -> torch.Tensor:
     """Per-expert column sums of ``probs`` accumulated block of tokens by block in an order drawn from
     os.urandom: a fused aux-loss kernel whose CTAs atomicAdd their partial sums."""
-    parts = torch.stack([p.sum(dim=0) for p in probs.float().chunk(blocks)])
-    order = random.SystemRandom().sample(range(parts.shape[0]), parts.shape[0])
-    out = parts[order[0]].clone()
-    for i in order[1:]:
-        out += parts[i]
-    return out
+    return _arrival_order_sum(torch.stack([p.sum(dim=0) for p in probs.float().chunk(blocks)]))
 
 
 @atomic_expert_sum.register_fake

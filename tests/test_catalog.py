@@ -41,6 +41,8 @@ def test_scope_change_behind_a_recipe_digest_is_named_by_its_key():
      "entries[0].fix"),
     (b"version: 1\nentries:\n  - {id: a, title: t, mechanism: m, next: n, symptom: {colour: red},"
      b" fix: {change: c, kind: corrects}}\n", "entries[0].symptom.colour"),
+    (b"version: 1\nentries: []\nfix_changes:\n  - {key: a.b, kind: corrects, what: one, two}\n",
+     "fix_changes[0].two"),
 ])
 def test_bad_catalog_is_refused_naming_file_and_key(tmp_path, text, where):
     path = tmp_path / "known.yaml"

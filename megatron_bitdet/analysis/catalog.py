@@ -1,14 +1,15 @@
-"""The catalog of known nondeterminism sources (``known_sources.yaml``, package data): loading and
-validation. The data file owns the knowledge; this module only reads and checks it."""
+"""The catalog of known nondeterminism sources (``catalog/known_sources.yaml``, shipped as package data
+``megatron_bitdet.catalog``): loading and validation. The data file owns the knowledge; this module
+only reads and checks it."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
 import yaml
 
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.resources import shipped_dir
 
 CATALOG_FILE = "known_sources.yaml"
 SYMPTOM_FIELDS = {
@@ -17,6 +18,8 @@ SYMPTOM_FIELDS = {
     "deterministic_variant": list,
 }
 FIRST_STEPS = ("start", "after_restore", "later")
+ENTRY_KEYS = ("id", "title", "mechanism", "symptom", "fix", "rules", "next", "references")
+CHANGE_KEYS = ("key", "env", "value", "kind", "what")
 FIX_KINDS = ("corrects", "works_around")
 
 
@@ -64,10 +67,17 @@ def _bad(source: str, where: str, why: str) -> BitdetInputError:
     return BitdetInputError(f"{source}: {where}: {why}")
 
 
+def _known(source: str, where: str, raw: dict, allowed) -> None:
+    unknown = [str(k) for k in raw if k not in allowed]
+    if unknown:
+        raise _bad(source, f"{where}.{unknown[0]}", f"unknown key (known: {', '.join(allowed)})")
+
+
 def _entry(source: str, i: int, raw) -> Entry:
     where = f"entries[{i}]"
     if not isinstance(raw, dict):
         raise _bad(source, where, "expected a mapping")
+    _known(source, where, raw, ENTRY_KEYS)
     for key in ("id", "title", "mechanism", "next"):
         if not isinstance(raw.get(key), str) or not raw[key]:
             raise _bad(source, f"{where}.{key}", "a non-empty string is required")
@@ -96,6 +106,7 @@ def _fix_change(source: str, i: int, raw) -> FixChange:
     where = f"fix_changes[{i}]"
     if not isinstance(raw, dict) or raw.get("kind") not in FIX_KINDS or not isinstance(raw.get("what"), str):
         raise _bad(source, where, f"needs kind ({' | '.join(FIX_KINDS)}) and what")
+    _known(source, where, raw, CHANGE_KEYS)
     if bool(raw.get("key")) == bool(raw.get("env")):
         raise _bad(source, where, "needs exactly one of key, env")
     return FixChange(raw["kind"], raw["what"], raw.get("key"), raw.get("env"), raw.get("value"), "value" in raw)
@@ -103,15 +114,12 @@ def _fix_change(source: str, i: int, raw) -> FixChange:
 
 def load_catalog(path=None) -> Catalog:
     """The shipped catalog (or ``path``), validated; BitdetInputError names the file and key."""
-    if path is None:
-        ref = resources.files("megatron_bitdet.analysis") / CATALOG_FILE
-        source, text = str(ref), ref.read_bytes()
-    else:
-        source = str(path)
-        try:
-            text = Path(path).read_bytes()
-        except OSError as exc:
-            raise BitdetInputError(f"{source}: cannot read ({exc.strerror})") from None
+    path = Path(path) if path is not None else shipped_dir("catalog") / CATALOG_FILE
+    source = str(path)
+    try:
+        text = path.read_bytes()
+    except OSError as exc:
+        raise BitdetInputError(f"{source}: cannot read ({exc.strerror})") from None
     try:
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:

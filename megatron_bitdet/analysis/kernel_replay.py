@@ -36,7 +36,7 @@ class ReplayConfig:
     matches_a: int = 0            # repeats whose outputs equal run A's captured outputs bit for bit
     matches_b: int = 0
     error: str = ""
-    kernels: list = field(default_factory=list)  # GPU only: profiler kernel names of one repeat
+    kernels: list = field(default_factory=list)  # GPU only: each distinct launch list (kernel grid block) seen
 
 
 @dataclass
@@ -87,6 +87,22 @@ def _configs(rec: dict, threads: list[int]) -> list[ReplayConfig]:
     return out
 
 
+def _profiled(func, args, kwargs, trace_file: Path):
+    """GPU only (written, not run on the CPU machines this was built on): one call under the profiler;
+    the kernels it launched with their grid / block, from the exported trace."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = func(*args, **kwargs)
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(trace_file))
+    events = json.loads(trace_file.read_text()).get("traceEvents", [])
+    launched = [f"{e['name']} grid={e.get('args', {}).get('grid')} block={e.get('args', {}).get('block')}"
+                for e in events if e.get("cat") == "kernel"]
+    return out, launched
+
+
 def replay_worker(path: str, out_path: str, repeats: int, threads: list[int], other: str | None = None) -> None:
     """Runs in the fresh process: every configuration, ``repeats`` times each, results to JSON."""
     import importlib
@@ -108,16 +124,13 @@ def replay_worker(path: str, out_path: str, repeats: int, threads: list[int], ot
         torch.use_deterministic_algorithms(cfg.deterministic)
         seen = set()
         try:
-            for i in range(repeats):
+            for _ in range(repeats):
                 ins = [rebuild(t, cfg.strided) for t in rec["inputs"]]
                 args, kwargs = decode(rec["args"], ins), decode({"dict": rec["kwargs"]}, ins)
-                if cuda and i == 0:
-                    from torch.profiler import ProfilerActivity, profile
-
-                    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-                        out = func(*args, **kwargs)
-                        torch.cuda.synchronize()
-                    cfg.kernels = sorted({e.name for e in prof.events() if e.device_type.name == "CUDA"})
+                if cuda:
+                    out, launched = _profiled(func, args, kwargs, Path(out_path).with_suffix(".trace.json"))
+                    if launched not in cfg.kernels:
+                        cfg.kernels.append(launched)
                 else:
                     out = func(*args, **kwargs)
                 d = _digests(out)
@@ -250,7 +263,8 @@ def _verdict(a: dict, b, configs: list[ReplayConfig], differs: list[str], eviden
         if c.error and c is not det:
             evidence.append(f"{c.label}: {c.error}")
         if c.kernels:
-            evidence.append(f"{c.label}: kernels {', '.join(c.kernels)}")
+            evidence.append(f"{c.label}: kernels {'; '.join(c.kernels[0])}"
+                            + (f" ({len(c.kernels)} different kernel choices across repeats)" if len(c.kernels) > 1 else ""))
     if b is not None and rec_cfg.repeats:
         evidence.append(f"replay at the recorded configuration reproduced run A's output in {rec_cfg.matches_a} and "
                         f"run B's in {rec_cfg.matches_b} of {rec_cfg.repeats} repeats")

@@ -9,7 +9,7 @@ EXAMPLES = """examples:
   bitdet doctor runs/a runs/b --offline --json      # rank from what exists; never re-run training
   bitdet doctor runs/verify_resume/nemotron_h_tiny  # a verify-resume --out directory
 
-Causes come from the catalog of known sources (megatron_bitdet/analysis/known_sources.yaml).
+Causes come from the catalog of known sources (catalog/known_sources.yaml, package data megatron_bitdet.catalog).
 Exit 0: nothing to diagnose (the runs match, the resume holds); 1: a divergence was diagnosed; 2: bad input."""
 
 

@@ -21,7 +21,8 @@ def register(subparsers, summary: str) -> None:
         epilog="Runs with traces/ are compared as they are; runs with fingerprints only go up the ladder: "
                "first divergent step from the fingerprints, then both runs re-launched from their manifests "
                "(run from the directory they were launched in) with tracing semantic -> module -> op in a "
-               "window ending at that step, into RUN_X/ladder/<level>/. "
+               "window ending at that step, into RUN_X/ladder/<level>/, then the kernel rung: the culprit op "
+               "captured in both re-runs (RUN_X/ladder/kernel/) and replayed in isolation. "
                "Exit 0: no mismatch; 1: mismatch found (also when the ladder could not reproduce it: "
                "intermittent); 2: unusable input (missing, foreign or torn trace, scope mismatch).",
     )
@@ -69,8 +70,8 @@ def _print_table(result) -> None:
                       + note)
         console.print(escape(diagnose(facts_from_ladder({"culprit": c})).headline()), highlight=False)
         if c["classification"] == "producer":
-            console.print("kernel rung: run `bitdet localize RUN_A RUN_B` without --traces-only on fingerprint-only "
-                          "runs (it re-runs them and captures this op), or `bitdet replay-op` on a capture")
+            console.print("kernel rung: comes with the ladder (localize on fingerprint-only runs re-runs them, "
+                          "captures this op and replays it); `bitdet replay-op` replays a capture")
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {w}")
 
@@ -79,7 +80,7 @@ def _print_ladder(result) -> None:
     from rich.console import Console
     from rich.markup import escape
 
-    console = Console()
+    console = Console(soft_wrap=True)  # one line per rung: greppable, copyable
     if not result.diverged:
         console.print(f"[green]{result.note}[/]")
         return

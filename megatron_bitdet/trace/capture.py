@@ -172,7 +172,8 @@ def load_capture(path) -> dict:
     try:
         rec = torch.load(path, weights_only=True, map_location="cpu" if not torch.cuda.is_available() else None)
     except Exception as exc:  # any byte sequence: pickle, zip and torch errors alike
-        raise BitdetInputError(f"{path}: not a readable capture ({type(exc).__name__}: {exc})") from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise BitdetInputError(f"{path}: not a readable capture ({type(exc).__name__}: {first[:200]})") from None
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
         raise BitdetInputError(f"{path}: foreign file (no '{FORMAT}' record)")
     if rec.get("v") != VERSION:

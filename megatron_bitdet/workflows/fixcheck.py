@@ -88,7 +88,7 @@ def classify(original, fixed, fix: Fix, catalog=None) -> tuple[list, str]:
     """Each change (recipe key, env variable, provider) with its kind, and the fix's overall kind."""
     catalog = catalog or load_catalog()
     a, b = flatten(original.to_dict()), flatten(fixed.to_dict())
-    changes = [{"change": f"{k}={b.get(k)!r}", "from": a.get(k), "key": k, "value": b.get(k)}
+    changes = [{"change": f"{k}={json.dumps(b.get(k))}", "from": a.get(k), "key": k, "value": b.get(k)}
                for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
     changes += [{"change": f"env {k}={v}", "env": k, "value": v} for k, v in sorted(fix.env.items())]
     for c in changes:
