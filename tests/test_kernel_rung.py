@@ -13,7 +13,8 @@ import torch
 from megatron_bitdet.analysis.kernel_replay import replay_op
 from megatron_bitdet.cli import main
 from megatron_bitdet.trace import Tracer
-from megatron_bitdet.trace.capture import capture_path, load_capture, rebuild
+from megatron_bitdet.rundir import capture_path
+from megatron_bitdet.trace.capture import load_capture, rebuild
 
 ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.timeout(240)

@@ -14,7 +14,7 @@ Exit 0: nothing to diagnose (the runs match, the resume holds); 1: a divergence 
 
 
 def register(subparsers, summary: str) -> None:
-    from megatron_bitdet.analysis.ladder import LadderConfig
+    from megatron_bitdet.workflows.ladder import LadderConfig
 
     p = subparsers.add_parser("doctor", help=summary, description=__doc__, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -31,7 +31,7 @@ def register(subparsers, summary: str) -> None:
 
 
 def run(args) -> int:
-    from megatron_bitdet.analysis.ladder import LadderConfig
+    from megatron_bitdet.workflows.ladder import LadderConfig
     from megatron_bitdet.workflows.doctor import doctor
 
     levels = tuple(filter(None, (lv.strip() for lv in args.levels.split(","))))

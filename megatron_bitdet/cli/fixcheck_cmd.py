@@ -94,7 +94,7 @@ def _pairs(label: str, v) -> str:
 
 
 def print_result(result) -> None:
-    from megatron_bitdet.analysis.ladder import describe
+    from megatron_bitdet.workflows.ladder import describe
 
     print(_pairs("original", result.original))
     print(_pairs("fixed   ", result.fixed))

@@ -1,7 +1,7 @@
 """`bitdet localize RUN_A RUN_B`: first op whose inputs match but outputs differ (exit 0 / 1 / 2).
 
 With traces/ in both runs they are compared directly; with fingerprints only, the automatic ladder
-(analysis.ladder) re-runs both around the first divergent step with tracing on, level by level."""
+(workflows.ladder) re-runs both around the first divergent step with tracing on, level by level."""
 from __future__ import annotations
 
 import json
@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from megatron_bitdet.analysis.diagnose import diagnose, facts_from_ladder
-from megatron_bitdet.analysis.ladder import LadderConfig, describe, run_ladder
+from megatron_bitdet.workflows.ladder import LadderConfig, describe, run_ladder
 from megatron_bitdet.analysis.localize import FALSE_ALARMS, MATCH, LocalizeConfig, localize_traces
 from megatron_bitdet.trace.format import LEVELS, trace_dir
 

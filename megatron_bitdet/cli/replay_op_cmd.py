@@ -28,17 +28,18 @@ def register(subparsers, summary: str) -> None:
 
 def _resolve(path: str, rank) -> Path:
     from megatron_bitdet.errors import BitdetInputError
-    from megatron_bitdet.trace.capture import capture_dir, capture_path
+    from megatron_bitdet.rundir import capture_path
 
     p = Path(path)
     if p.is_file():
         return p
     if rank is not None:
         return capture_path(p, rank)
-    found = sorted(capture_dir(p).glob("rank_*.capture.pt")) if capture_dir(p).is_dir() else []
+    where = capture_path(p, 0).parent
+    found = sorted(where.glob("rank_*.capture.pt")) if where.is_dir() else []
     if len(found) != 1:
         raise BitdetInputError(f"{p}: {'no capture' if not found else f'{len(found)} captures'} under "
-                               f"{capture_dir(p)}; pass a capture file or --rank")
+                               f"{where}; pass a capture file or --rank")
     return found[0]
 
 

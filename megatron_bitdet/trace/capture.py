@@ -16,19 +16,12 @@ from pathlib import Path
 import torch
 
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.rundir import capture_path
 
 FORMAT = "bitdet-capture"
 VERSION = 1
 DEFAULT_MAX_BYTES = 256 << 20
 _SCALARS = (bool, int, float, str, type(None))
-
-
-def capture_dir(run_dir) -> Path:
-    return Path(run_dir) / "captures"
-
-
-def capture_path(run_dir, rank: int) -> Path:
-    return capture_dir(run_dir) / f"rank_{rank:05d}.capture.pt"
 
 
 class Unsupported(Exception):

@@ -26,12 +26,25 @@ class TraceConfig:
     steps: tuple[int, int] = (1, 1 << 62)   # inclusive window
     ranks: frozenset[int] | None = None     # None: every rank
     hash: str = "fast"
+    capture: dict | None = None             # {"rank", "event_id", "max_bytes"?}: the kernel rung's capture
 
     def __post_init__(self):
         if self.level not in LEVELS:
             raise BitdetInputError(f"trace level {self.level!r}: expected one of {', '.join(LEVELS)}")
         if self.hash not in HASHES:
             raise BitdetInputError(f"trace hash {self.hash!r}: expected one of {', '.join(HASHES)}")
+
+    def to_json(self) -> dict:
+        """The form the ranks receive and the manifest records."""
+        return {"level": self.level, "steps": list(self.steps),
+                "ranks": None if self.ranks is None else sorted(self.ranks), "hash": self.hash,
+                "capture": self.capture}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TraceConfig":
+        ranks = d.get("ranks")
+        return cls(d["level"], tuple(d["steps"]), None if ranks is None else frozenset(ranks), d.get("hash", "fast"),
+                   d.get("capture"))
 
 
 class Tracer:

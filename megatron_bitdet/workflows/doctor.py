@@ -15,8 +15,8 @@ from megatron_bitdet.analysis.compare import ScopeMismatchError, compare_runs
 from megatron_bitdet.analysis.diagnose import (
     Diagnosis, diagnose, facts_from_compare, facts_from_ladder, facts_from_resume, facts_from_scope,
 )
-from megatron_bitdet.analysis.ladder import LadderConfig, load_ladder_result, run_ladder
-from megatron_bitdet.analysis.resume import load_resume_report
+from megatron_bitdet.workflows.ladder import LadderConfig, load_ladder_result, run_ladder
+from megatron_bitdet.workflows.resume import load_resume_report
 from megatron_bitdet.enforce.manifest import load_manifest
 from megatron_bitdet.errors import BitdetInputError
 

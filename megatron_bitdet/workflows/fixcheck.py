@@ -24,6 +24,7 @@ from megatron_bitdet.analysis.catalog import load_catalog
 from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.analysis.diagnose import flatten
 from megatron_bitdet.errors import BitdetError, BitdetInputError
+from megatron_bitdet.rundir import logs_dir
 
 RESULT_FILE = "fixcheck.json"
 
@@ -130,18 +131,14 @@ def _env(values: dict):
 
 def _launch_all(recipe, provider, nproc: int, dirs: list[Path], label: str) -> None:
     """N runs of one configuration, two at a time side by side (consoles to stderr)."""
-    from megatron_bitdet.cli.train_cmd import launch_training
+    from megatron_bitdet.train.run import RunOptions, launch_training
 
     codes: dict = {}
 
     def one(d: Path):
         try:
-            for old in (d / "fingerprints", d / "traces"):
-                if old.is_dir():
-                    for f in old.iterdir():
-                        f.unlink()
-            codes[d] = launch_training(recipe, nproc=nproc, run_dir=d, model_provider=provider,
-                                       argv=["bitdet", "fixcheck", f"({label})"])
+            codes[d] = launch_training(recipe, RunOptions(nproc=nproc, run_dir=d, model_provider=provider,
+                                                          argv=("bitdet", "fixcheck", f"({label})"), fresh=True))
         except BaseException as exc:  # reported below, in this thread
             codes[d] = exc
 
@@ -157,7 +154,7 @@ def _launch_all(recipe, provider, nproc: int, dirs: list[Path], label: str) -> N
         if isinstance(codes[d], BaseException):
             raise codes[d]
         if codes[d] != 0:
-            raise BitdetError(f"fixcheck {label} run {d} failed (exit {codes[d]}); see {d}/logs/")
+            raise BitdetError(f"fixcheck {label} run {d} failed (exit {codes[d]}); see {logs_dir(d)}")
 
 
 def judge_pairs(dirs: list[Path], steps: int) -> PairVerdict:
@@ -189,8 +186,8 @@ def fixcheck(recipe, fixed, fix: Fix, *, nproc: int, out_dir, provider=None, run
              levels=("op",), tax=True, tax_rounds: int = 10, tax_warmup: int = 2, reuse_original=False,
              repeats: int = 20) -> FixcheckResult:
     """The paired-runs validation of ``fix`` (``fixed`` = ``recipe`` with the fix's overrides applied)."""
-    from megatron_bitdet.analysis.ladder import LadderConfig, load_ladder_result, run_ladder
-    from megatron_bitdet.analysis.tax import measure_tax
+    from megatron_bitdet.workflows.ladder import LadderConfig, load_ladder_result, run_ladder
+    from megatron_bitdet.workflows.tax import measure_tax
 
     if runs < 2:
         raise BitdetInputError(f"fixcheck --runs {runs}: need at least 2 runs per configuration (a pair)")

@@ -6,7 +6,7 @@ marked optional; unknown keys are errors)::
 
     id: moe_aux_loss                      # = file stem
     rule: moe_aux_loss                    # the enforce rules-table swap id it serves
-    megatron_core: ">=0.16.1,<0.17"       # PEP 440 specifier of supported versions
+    megatron_core: ">=0.16.1,<0.17"       # optional: narrows bitdet's supported versions (compat.versions)
     why: ...                              # the nondeterminism it removes
     swaps:
       - replacement: megatron_bitdet.kernels.moe_aux:switch_load_balancing_loss_func
@@ -24,11 +24,13 @@ from typing import Dict, List, Optional, Tuple
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from megatron_bitdet.compat.versions import MEGATRON_CORE
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.resources import shipped_dir
 
 _SYMBOL = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
 _TOP_KEYS = {"id", "rule", "megatron_core", "why", "swaps"}
+_OPTIONAL_KEYS = {"megatron_core"}
 _SWAP_KEYS = {"replacement", "targets", "optional_binding", "untouched"}
 
 
@@ -102,16 +104,19 @@ def parse_declaration(data, source: str) -> PatchDeclaration:
     """Validate one declaration (already parsed YAML); ``source`` names it in every error."""
     if not isinstance(data, dict):
         _fail(source, "a patch declaration must be a YAML mapping")
-    missing, unknown = _TOP_KEYS - set(data), set(data) - _TOP_KEYS
+    missing, unknown = _TOP_KEYS - _OPTIONAL_KEYS - set(data), set(data) - _TOP_KEYS
     if missing or unknown:
-        _fail(source, f"missing key(s) {sorted(missing)}, unknown key(s) {sorted(unknown)}; required: {sorted(_TOP_KEYS)}")
-    for key in ("id", "rule", "why", "megatron_core"):
+        _fail(source, f"missing key(s) {sorted(missing)}, unknown key(s) {sorted(unknown)}; "
+                      f"required: {sorted(_TOP_KEYS - _OPTIONAL_KEYS)}")
+    for key in ("id", "rule", "why", *(k for k in _OPTIONAL_KEYS if k in data)):
         if not isinstance(data[key], str) or not data[key].strip():
             _fail(source, f"{key} must be a non-empty string")
-    try:
-        spec = SpecifierSet(data["megatron_core"])
-    except InvalidSpecifier:
-        _fail(source, f"megatron_core: {data['megatron_core']!r} is not a version specifier (e.g. '>=0.16.1,<0.17')")
+    spec = MEGATRON_CORE
+    if "megatron_core" in data:
+        try:
+            spec = SpecifierSet(data["megatron_core"])
+        except InvalidSpecifier:
+            _fail(source, f"megatron_core: {data['megatron_core']!r} is not a version specifier (e.g. '>=0.16.1,<0.17')")
     if not isinstance(data["swaps"], list) or not data["swaps"]:
         _fail(source, "swaps must be a non-empty list")
     swaps = tuple(_swap(source, i, s) for i, s in enumerate(data["swaps"]))

@@ -1,8 +1,8 @@
 """Which declared patches a recipe gets: the swaps the rules resolved, plus what its layer spec needs."""
 from __future__ import annotations
 
-from megatron_bitdet.patching.apply import applied_patches, apply_patches
-from megatron_bitdet.patching.declaration import load_declarations
+from megatron_bitdet.compat.patching.apply import applied_patches, apply_patches
+from megatron_bitdet.compat.patching.declaration import load_declarations
 
 SSM_PATCHES = ("ssd_scan", "gated_rmsnorm", "causal_conv1d")
 
