@@ -14,8 +14,11 @@ directory (``fresh``); workflows that re-run into their own directories always d
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+
+from megatron_bitdet.errors import BitdetInputError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -72,3 +75,19 @@ def fresh(run_dir) -> Path:
     shutil.rmtree(run_dir, ignore_errors=True)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return Path(run_dir)
+
+
+def read_result(path, what: str, required=()) -> dict | None:
+    """A JSON result bitdet saved (ladder, verify-resume): None when absent; BitdetInputError naming the
+    file when it is not a JSON object with the ``required`` keys."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise BitdetInputError(f"{path}: not a {what} (corrupt JSON)") from None
+    missing = [k for k in required if not isinstance(data, dict) or k not in data]
+    if not isinstance(data, dict) or missing:
+        raise BitdetInputError(f"{path}: not a {what}" + (f" (no {missing[0]!r})" if missing else ""))
+    return data

@@ -21,8 +21,8 @@ from megatron_bitdet.cli import main
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/nemotron_h_tiny.yaml"
 PROVIDER = "examples.planted_nondeterminism:index_put_provider"
-# index_put_ splits across threads only above its grain size: 1024 tokens x hidden 64 per micro-batch
-ORIGINAL = ["determinism.mode=false", "model.seq_length=256", "training.micro_batch_size=4",
+# index_put_ splits across threads only above its grain size: 2048 tokens x hidden 64 per micro-batch
+ORIGINAL = ["determinism.mode=false", "model.seq_length=512", "training.micro_batch_size=4",
             "training.iterations=2", "training.lr_schedule.warmup_iters=1"]
 pytestmark = pytest.mark.timeout(900)
 

@@ -241,13 +241,15 @@ def replay_op(capture_a, capture_b=None, *, repeats: int = DEFAULT_REPEATS, thre
 
 def _verdict(a: dict, b, configs: list[ReplayConfig], differs: list[str], evidence: list[str], paths) -> KernelVerdict:
     rec_cfg = configs[0]
-    one = next((c for c in configs if c.threads == 1 and not c.deterministic and c.strided), None)
     det = next(c for c in configs if c.label.startswith("deterministic"))
     contig = next(c for c in configs if not c.strided)
-    multi = [c for c in configs if c.threads > 1 and c.strided and c.deterministic == rec_cfg.deterministic]
+    plain = [c for c in configs if c.strided and c is not det]  # the recorded flag, thread counts varied
+    one = next((c for c in plain if c.threads == 1), None)
+    multi = [c for c in plain if c.threads > 1]
     varies = [c for c in multi if c.distinct > 1]
     op = a["op"] + _flags(a)
-    counts = [f"{rec_cfg.distinct} distinct results in {rec_cfg.repeats} repeats at {rec_cfg.threads} threads"]
+    counts = [f"{rec_cfg.distinct} distinct results in {rec_cfg.repeats} repeats at {rec_cfg.threads} threads"
+              + (" (recorded with deterministic algorithms on)" if rec_cfg.deterministic else "")]
     counts += [f"{c.distinct} at {c.threads} threads" for c in multi if c is not rec_cfg]
     if one is not None and one is not rec_cfg:
         counts.append(f"{one.distinct} at 1 thread")

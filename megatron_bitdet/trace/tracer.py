@@ -36,9 +36,9 @@ class TraceConfig:
 
     def to_json(self) -> dict:
         """The form the ranks receive and the manifest records."""
-        return {"level": self.level, "steps": list(self.steps),
-                "ranks": None if self.ranks is None else sorted(self.ranks), "hash": self.hash,
-                "capture": self.capture}
+        d = {"level": self.level, "steps": list(self.steps),
+             "ranks": None if self.ranks is None else sorted(self.ranks), "hash": self.hash}
+        return {**d, "capture": self.capture} if self.capture else d
 
     @classmethod
     def from_json(cls, d: dict) -> "TraceConfig":

@@ -28,7 +28,7 @@ from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.analysis.localize import BLIND_SPOT, CONTROL, PRODUCER, LocalizeConfig, localize_traces
 from megatron_bitdet.enforce.manifest import load_manifest
 from megatron_bitdet.errors import BitdetError, BitdetInputError
-from megatron_bitdet.rundir import logs_dir, manifest_path
+from megatron_bitdet.rundir import logs_dir, manifest_path, read_result
 from megatron_bitdet.trace import TraceConfig
 from megatron_bitdet.trace.format import LEVELS
 
@@ -39,6 +39,7 @@ class LadderConfig:
     context: int = 1                 # steps traced before the first divergent one (its inputs' history)
     localize: LocalizeConfig = LocalizeConfig()
     kernel: bool = True              # end with the kernel rung (capture + isolated replay)
+    retries: int = 1                 # re-runs of a rung whose window showed no mismatch (intermittent sources)
     repeats: int = 20                # kernel rung: replays per configuration
 
     def __post_init__(self):
@@ -155,18 +156,8 @@ def ladder_result_path(run_a) -> Path:
 
 def load_ladder_result(run_a, run_b) -> dict | None:
     """The saved ladder of this pair (None when absent or made for another run B)."""
-    import json
-
-    path = ladder_result_path(run_a)
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
-        raise BitdetInputError(f"{path}: not a ladder result (corrupt JSON)") from None
-    if not isinstance(data, dict) or "diverged" not in data:
-        raise BitdetInputError(f"{path}: not a ladder result")
-    return data if Path(data.get("run_b", "")).resolve() == Path(run_b).resolve() else None
+    data = read_result(ladder_result_path(run_a), "ladder result", ("diverged", "run_b"))
+    return data if data and Path(str(data["run_b"])).resolve() == Path(run_b).resolve() else None
 
 
 def run_ladder(run_a, run_b, config: LadderConfig = LadderConfig()) -> LadderResult:
@@ -197,15 +188,19 @@ def _climb(run_a, run_b, config: LadderConfig) -> LadderResult:
     specs = [_relaunch_spec(run_a), _relaunch_spec(run_b)]
     steps, ranks = [max(1, div.step - config.context), div.step], None
     for level in config.levels:
-        outs = _relaunch_both(specs, (run_a, run_b), level, steps, ranks)
-        found = localize_traces(*outs, config.localize)
+        for _ in range(1 + config.retries):
+            outs = _relaunch_both(specs, (run_a, run_b), level, steps, ranks)
+            found = localize_traces(*outs, config.localize)
+            if found.mismatch:
+                break
         c = found.culprit
         result.rungs.append(Rung(level, list(steps), ranks, [str(o) for o in outs], found.mismatch, c,
                                  found.events_compared))
         if not found.mismatch:
             result.reproduced = False
-            result.note = (f"intermittent: the divergence at step {div.step} did not reproduce in the {level} "
-                           f"re-runs (steps {steps[0]}-{steps[1]}, ranks {'all' if ranks is None else ranks}); "
+            result.note = (f"intermittent: the divergence at step {div.step} did not reproduce in "
+                           f"{1 + config.retries} {level} re-run(s) (steps {steps[0]}-{steps[1]}, "
+                           f"ranks {'all' if ranks is None else ranks}); "
                            f"rungs tried: {', '.join(r.level for r in result.rungs)}")
             return result
         result.culprit = c

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.errors import BitdetError, BitdetInputError
-from megatron_bitdet.rundir import checkpoints_dir, iter_dir, logs_dir, snapshot_path
+from megatron_bitdet.rundir import checkpoints_dir, iter_dir, logs_dir, read_result, snapshot_path
 
 _MISSING = object()
 # Snapshot entries that are split one level deeper into components of their own (rng.python, ...).
@@ -271,15 +271,9 @@ def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_pr
 
 def load_resume_report(out_dir) -> dict | None:
     """A saved verify-resume report (what `bitdet doctor` reads), or None when there is none."""
-    path = Path(out_dir) / REPORT_FILE
-    if not path.is_file():
-        return None
-    try:
-        data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
-        raise BitdetInputError(f"{path}: not a verify-resume report (corrupt JSON)") from None
-    if not isinstance(data, dict) or not isinstance(data.get("points"), list) or "holds" not in data:
-        raise BitdetInputError(f"{path}: not a verify-resume report")
+    data = read_result(Path(out_dir) / REPORT_FILE, "verify-resume report", ("points", "holds"))
+    if data is not None and not isinstance(data["points"], list):
+        raise BitdetInputError(f"{Path(out_dir) / REPORT_FILE}: not a verify-resume report (points is not a list)")
     return data
 
 
