@@ -1,9 +1,9 @@
 """Packages: megatron_bitdet's own (namespace dirs included) plus the shipped data folders at the
-repository top level, mapped to ``megatron_bitdet.recipes`` / ``.configs`` / ``.patches`` so wheel
+repository top level, mapped to ``megatron_bitdet.recipes`` / ``.configs`` / ``.patches`` / ``.catalog`` so wheel
 and editable installs both find them through ``megatron_bitdet.resources``. Metadata: pyproject.toml."""
 from setuptools import find_namespace_packages, setup
 
-SHIPPED = {f"megatron_bitdet.{kind}": kind for kind in ("recipes", "configs", "patches")}
+SHIPPED = {f"megatron_bitdet.{kind}": kind for kind in ("recipes", "configs", "patches", "catalog")}
 
 setup(
     packages=find_namespace_packages(include=["megatron_bitdet", "megatron_bitdet.*"],

@@ -12,6 +12,11 @@ run to run; rank 1 receives the difference through collectives.
 ``index_put_provider`` reproduces the real CPU nondeterminism of docs: megatron's deterministic
 embedding path (``weight[ids]``, backward ``index_put_(accumulate=True)``) without torch's
 deterministic algorithms; run it with ``determinism.mode=false`` (torch's flag off).
+
+``autotune_provider`` makes the dense MLP linears pick a split-K kernel configuration by timing the
+candidates at run time (an autotuner): runs differ from step 1 by the choices timing noise makes.
+``fused_aux_loss_provider`` computes the MoE load-balancing loss with per-expert sums accumulated in
+arrival order (a fused aux-loss kernel with atomics): only the aux loss differs.
 """
 from __future__ import annotations
 
@@ -27,14 +32,19 @@ SPLITS = 8
 PLANT_RANK = 0
 
 
-@torch.library.custom_op("bitdet_example::atomic_sum", mutates_args=())
-def atomic_sum(partials: torch.Tensor) -> torch.Tensor:
-    """Sum over dim 0 in a run-to-run varying order (one op to the dispatcher: inputs equal, output not)."""
+def _arrival_order_sum(partials: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 in an order drawn from os.urandom, as atomic adds land in arrival order."""
     order = random.SystemRandom().sample(range(partials.shape[0]), partials.shape[0])
     out = partials[order[0]].clone()
     for i in order[1:]:
         out += partials[i]
     return out
+
+
+@torch.library.custom_op("bitdet_example::atomic_sum", mutates_args=())
+def atomic_sum(partials: torch.Tensor) -> torch.Tensor:
+    """Sum over dim 0 in a run-to-run varying order (one op to the dispatcher: inputs equal, output not)."""
+    return _arrival_order_sum(partials)
 
 
 @atomic_sum.register_fake
@@ -82,3 +92,115 @@ def index_put_provider(recipe, config, *, pre_process: bool = True, post_process
     if pre_process:
         model.embedding.word_embeddings.deterministic_mode = True
     return model
+
+
+# --------------------------------------------------------------------------- a run-time kernel choice
+AUTOTUNE_SPLITS = (1, 2, 4, 8)
+
+
+def _splitk(x: torch.Tensor, weight: torch.Tensor, splits: int) -> torch.Tensor:
+    """x @ weight.T with the reduction dim cut into ``splits`` chunks summed in order: deterministic for
+    one configuration, but each split count rounds differently."""
+    k = x.shape[-1]
+    step = -(-k // splits)
+    out = x[..., :step] @ weight[:, :step].t()
+    for s in range(step, k, step):
+        out = out + x[..., s:s + step] @ weight[:, s:s + step].t()
+    return out
+
+
+def _splitk_op(splits: int):
+    """One dispatcher op per configuration, as an autotuner compiles one kernel per config."""
+    @torch.library.custom_op(f"bitdet_example::splitk{splits}_matmul", mutates_args=())
+    def op(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        return _splitk(x, weight, splits)
+
+    op.register_fake(lambda x, weight: x.new_empty((*x.shape[:-1], weight.shape[0])))
+
+    def backward(ctx, grad):
+        x, weight = ctx.saved_tensors
+        return grad @ weight, grad.reshape(-1, grad.shape[-1]).t() @ x.reshape(-1, x.shape[-1])
+
+    op.register_autograd(backward, setup_context=lambda ctx, inputs, output: ctx.save_for_backward(*inputs))
+    return op
+
+
+SPLITK_OPS = {n: _splitk_op(n) for n in AUTOTUNE_SPLITS}
+
+
+class AutotunedLinear(torch.nn.Module):
+    """A TP1 linear without bias whose kernel configuration (split count) is picked by timing every
+    candidate once on the live input at each call and keeping the fastest, like an autotuner whose
+    cache never hits. The candidates cost about the same, so timing noise decides: two runs pick
+    differently (measured here: the 1-split kernel wins ~2 calls in 3) and round differently from
+    their first step."""
+
+    def __init__(self, linear: torch.nn.Module):
+        super().__init__()
+        self.weight = linear.weight
+
+    def _tune(self, x) -> int:
+        import time
+
+        best, pick = None, AUTOTUNE_SPLITS[0]
+        with torch.no_grad():
+            for splits in AUTOTUNE_SPLITS:
+                t0 = time.perf_counter_ns()
+                SPLITK_OPS[splits](x.detach(), self.weight.detach())
+                dt = time.perf_counter_ns() - t0
+                if best is None or dt < best:
+                    best, pick = dt, splits
+        return pick
+
+    def forward(self, x):
+        return SPLITK_OPS[self._tune(x)](x, self.weight), None
+
+
+def autotune_provider(recipe, config, *, pre_process: bool = True, post_process: bool = True):
+    """The default hybrid whose dense MLP linears pick a split-K configuration by timing at every call."""
+    if config.tensor_model_parallel_size != 1:
+        raise BitdetInputError("examples.planted_nondeterminism:autotune_provider plants TP1 linears; use parallel.tensor=1")
+    model = default_model_provider(recipe, config, pre_process=pre_process, post_process=post_process)
+    for layer in model.modules():
+        if isinstance(layer, MLPLayer):
+            layer.mlp.linear_fc1 = AutotunedLinear(layer.mlp.linear_fc1)
+            layer.mlp.linear_fc2 = AutotunedLinear(layer.mlp.linear_fc2)
+    return model
+
+
+# --------------------------------------------------------------------------- a fused aux loss with atomics
+@torch.library.custom_op("bitdet_example::atomic_expert_sum", mutates_args=())
+def atomic_expert_sum(probs: torch.Tensor, blocks: int) -> torch.Tensor:
+    """Per-expert column sums of ``probs`` accumulated block of tokens by block in an order drawn from
+    os.urandom: a fused aux-loss kernel whose CTAs atomicAdd their partial sums."""
+    return _arrival_order_sum(torch.stack([p.sum(dim=0) for p in probs.float().chunk(blocks)]))
+
+
+@atomic_expert_sum.register_fake
+def _(probs, blocks):
+    return probs.new_empty(probs.shape[1:], dtype=torch.float32)
+
+
+atomic_expert_sum.register_autograd(
+    lambda ctx, grad: (grad.unsqueeze(0).expand(ctx.shape).to(ctx.dtype), None),
+    setup_context=lambda ctx, inputs, output: (setattr(ctx, "shape", inputs[0].shape),
+                                               setattr(ctx, "dtype", inputs[0].dtype)))
+
+
+def fused_aux_loss(probs, tokens_per_expert, total_num_tokens, topk, num_experts, moe_aux_loss_coeff,
+                   fused=False, padding_mask=None):
+    """megatron's switch load-balancing loss with the per-expert probability sums made "fused": atomics."""
+    if padding_mask is not None:
+        probs = probs * padding_mask.unsqueeze(-1)
+    aggregated = atomic_expert_sum(probs, probs.shape[0])  # one "CTA" per token row
+    return torch.sum(aggregated * tokens_per_expert) * (
+        num_experts * moe_aux_loss_coeff / (topk * total_num_tokens * total_num_tokens))
+
+
+def fused_aux_loss_provider(recipe, config, *, pre_process: bool = True, post_process: bool = True):
+    """The default hybrid whose MoE routers compute the load-balancing loss with the atomic "fused" sum
+    (what moe_router_fusion does on a GPU): only the MoE aux loss differs run to run."""
+    from megatron.core.transformer.moe import router
+
+    router.switch_load_balancing_loss_func = fused_aux_loss
+    return default_model_provider(recipe, config, pre_process=pre_process, post_process=post_process)

@@ -14,7 +14,7 @@ from typing import Dict
 
 from megatron_bitdet.errors import BitdetInputError
 
-KINDS = ("recipes", "configs", "patches")
+KINDS = ("recipes", "configs", "patches", "catalog")
 
 
 def shipped_dir(kind: str) -> Path:

@@ -8,6 +8,7 @@
       traces/rank_XXXXX.trace.jsonl     with tracing on (format: trace.format)
       stats/rank_XXXXX.stats.jsonl      per-module statistics, a replay's (format: trace.module_stats)
       replay/<name>/                    `bitdet replay`'s runs, each a run directory + replay.json
+      captures/rank_XXXXX.capture.pt    one op occurrence's inputs, the kernel rung (format: trace.capture)
       logs/rank_XXXXX.log               every rank's stdout + stderr
 
 Fingerprints and traces are appended to, so a run that must stand alone starts from a fresh
@@ -15,8 +16,11 @@ directory (``fresh``); workflows that re-run into their own directories always d
 """
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
+
+from megatron_bitdet.errors import BitdetInputError
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -63,6 +67,8 @@ def stats_path(run_dir, rank: int) -> Path:
 def replay_dir(run_dir, name: str) -> Path:
     """Where ``bitdet replay`` puts one replay of ``run_dir`` by default."""
     return Path(run_dir) / "replay" / name
+def capture_path(run_dir, rank: int) -> Path:
+    return Path(run_dir) / "captures" / f"rank_{rank:05d}.capture.pt"
 
 
 def logs_dir(run_dir) -> Path:
@@ -78,3 +84,19 @@ def fresh(run_dir) -> Path:
     shutil.rmtree(run_dir, ignore_errors=True)
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     return Path(run_dir)
+
+
+def read_result(path, what: str, required=()) -> dict | None:
+    """A JSON result bitdet saved (ladder, verify-resume): None when absent; BitdetInputError naming the
+    file when it is not a JSON object with the ``required`` keys."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (ValueError, UnicodeDecodeError):
+        raise BitdetInputError(f"{path}: not a {what} (corrupt JSON)") from None
+    missing = [k for k in required if not isinstance(data, dict) or k not in data]
+    if not isinstance(data, dict) or missing:
+        raise BitdetInputError(f"{path}: not a {what}" + (f" (no {missing[0]!r})" if missing else ""))
+    return data

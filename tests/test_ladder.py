@@ -1,6 +1,8 @@
 """The automatic ladder on real 2-rank training: two runs of the planted example (an order-varying
 atomic sum drawn from os.urandom on rank 0) with fingerprints only -> re-runs traced at module, then
-op level -> the planted op, its module, the step and the rank; rank 1 a receiver."""
+op level -> the planted op, its module, the step and the rank; rank 1 a receiver -> the kernel rung:
+the op's inputs captured in both re-runs and replayed in a fresh process (varies on one thread and
+with deterministic algorithms: an order inside the kernel)."""
 import json
 import os
 from pathlib import Path
@@ -37,14 +39,14 @@ def ladder(planted_runs):
     return run_ladder(*planted_runs, LadderConfig(levels=("module", "op")))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_fingerprint_only_runs_have_no_tracing(planted_runs):
     for run in planted_runs:
         assert not (run / "traces").exists()
         assert json.loads((run / "manifest.json").read_text())["trace"] is None
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
 def test_ladder_names_the_planted_op_module_step_and_rank(ladder):
     assert ladder.diverged and ladder.reproduced and ladder.exit_code == 1
     assert ladder.first_step == 1
@@ -60,7 +62,29 @@ def test_ladder_names_the_planted_op_module_step_and_rank(ladder):
         assert (Path(run) / "traces" / "rank_00000.trace.jsonl").is_file()
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(900)
+def test_kernel_rung_names_the_op_its_thread_independence_and_the_alternative(ladder, planted_runs):
+    k = ladder.kernel
+    assert k["status"] == "replayed", k
+    assert k["op"] == "bitdet_example.atomic_sum.default" and k["rank"] == 0
+    assert k["event_id"] == ladder.culprit["event_id"]
+    by = {c["label"]: c for c in k["configs"]}
+    one = by["1 thread"]
+    det = next(c for label, c in by.items() if label.startswith("deterministic"))
+    assert one["repeats"] == det["repeats"] == 20 and one["distinct"] > 1 and det["distinct"] > 1
+    assert k["mechanism"] == "order_inside_kernel" and k["deterministic_variant"] == "no"
+    assert "varies on one thread too" in k["verdict"] and "fixed-order implementation" in k["verdict"]
+    assert "captured inputs identical in both runs" in k["evidence"]
+    for run in planted_runs:
+        assert (run / "ladder" / "kernel" / "captures" / "rank_00000.capture.pt").is_file()
+    saved = json.loads((planted_runs[0] / "ladder" / "result.json").read_text())
+    assert saved["kernel"]["verdict"] == k["verdict"]
+    from megatron_bitdet.analysis.diagnose import diagnose, facts_from_ladder
+
+    assert diagnose(facts_from_ladder(saved)).top.id == "atomic_order_accumulation"
+
+
+@pytest.mark.timeout(900)
 def test_cli_on_the_ladder_outputs_compares_traces_directly(ladder, capsys):
     a, b = ladder.rungs[-1].run_dirs
     assert main(["localize", a, b, "--json"]) == 1

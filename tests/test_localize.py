@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_bitdet.analysis.localize import localize_traces
+from megatron_bitdet.analysis.localize import LocalizeConfig, localize_traces
 from megatron_bitdet.trace import Tracer, trace_path
 
 _ORDER_SEED = {"seed": 0}
@@ -159,3 +159,21 @@ def test_bad_traces_exit_2_naming_the_file(tmp_path):
     path.unlink()
     proc = bitdet(tmp_path / "a", tmp_path / "b")
     assert proc.returncode == 2 and "rank_00000.trace.jsonl" in proc.stderr
+
+
+def test_a_producer_on_one_rank_beats_a_false_alarm_on_another(tmp_path):
+    """Per-rank orders say nothing about which rank went first: rank 0's blind spot must not hide
+    rank 1's producer (the only one whose equal inputs gave differing outputs)."""
+    for name, poke, seed in (("a", 0.0, 0), ("b", 1.0, 1)):
+        with Tracer(tmp_path / name, 0, 2, level="op", steps=(1, 1)) as tr:
+            with tr.step(1):
+                y = torch.ones(8) * 3
+                y.numpy()[0] += poke
+                (y + 1).sum()
+        _ORDER_SEED["seed"] = seed
+        with Tracer(tmp_path / name, 1, 2, level="op", steps=(1, 1)) as tr:
+            with tr.step(1):
+                ordered_sum(torch.randn(64, 16, generator=torch.Generator().manual_seed(0)) * 1000)
+    res = localize_traces(tmp_path / "a", tmp_path / "b", LocalizeConfig(workers=1))
+    assert {f.rank: f.classification for f in res.per_rank} == {0: "dispatcher_blind_spot", 1: "producer"}
+    assert res.culprit["rank"] == 1 and res.culprit["op"] == "bitdet_test.ordered_sum.default"

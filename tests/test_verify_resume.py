@@ -54,11 +54,11 @@ def test_correct_chain_holds_component_by_component(recipe, reference, tmp_path)
     assert report.summary().startswith("HOLDS")
 
 
-@pytest.mark.parametrize("fault, component, key", [
-    ("rng.tracker", "rng.tracker", "model-parallel-rng"),
-    ("data", "data", "consumed_samples"),
+@pytest.mark.parametrize("fault, component, key, cause", [
+    ("rng.tracker", "rng.tracker", "model-parallel-rng", "rng_not_restored"),
+    ("data", "data", "consumed_samples", "data_position_not_restored"),
 ])
-def test_skipped_restore_is_named(recipe, reference, tmp_path, fault, component, key):
+def test_skipped_restore_is_named(recipe, reference, tmp_path, fault, component, key, cause, capsys):
     report = verify_resume(recipe, [3], nproc=2, out_dir=tmp_path, reference_dir=reference, faults=[fault])
     assert not report.holds
     fresh, resumed = report.points
@@ -69,6 +69,12 @@ def test_skipped_restore_is_named(recipe, reference, tmp_path, fault, component,
     assert any(c.key == key for c in bad), [c.key for c in bad]
     assert report.first_output_divergence == {3: 4} and resumed.diverged_steps == [4, 5, 6]
     assert f"{component} differs" in report.summary() and "first differ at step 4" in report.summary()
+    # the doctor reads the saved report: the catalog entry for the skipped restore ranks first
+    assert main(["doctor", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    first = next(line for line in out.splitlines() if line.startswith("1. ["))
+    assert first.startswith(f"1. [{cause}]"), out
+    assert f"restored state differs: {component}" in out and "first divergent step: after_restore" in out
 
 
 def test_cli_skipped_optimizer_moment_exits_1_with_json(reference, tmp_path):

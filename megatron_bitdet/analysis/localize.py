@@ -319,7 +319,10 @@ def _settle_culprit(findings: dict[int, RankFinding]) -> dict | None:
             cur = min(nxt, key=lambda g: (g.classification == RECEIVER, g.step, g.rank))
             seen.add(cur.rank)
         votes[cur.rank] = votes.get(cur.rank, 0) + 1
-    rank = min(votes, key=lambda r: (bad[r].classification == RECEIVER, -votes[r], bad[r].step, r))
+    # a producer (inputs equal, outputs differ) beats a false alarm or an unexplained input on another rank:
+    # per-rank orders say nothing about which came first, but only the producer is a cause
+    rank = min(votes, key=lambda r: (bad[r].classification == RECEIVER, bad[r].classification != PRODUCER,
+                                     -votes[r], bad[r].step, r))
     f = bad[rank]
     chain = sorted(r for r, g in bad.items() if g.classification == RECEIVER)
     if f.classification == RECEIVER:  # every member saw equal inputs at one collective: the collective itself

@@ -23,6 +23,9 @@ SUBCOMMANDS = {
     "prove": "the main job: independent runs, resumed runs, comparisons, tax and report",
     "localize": "find the first op whose inputs match but outputs differ between two runs",
     "replay": "replay a step bitwise from a checkpoint (verified) and rank its modules; counterfactuals",
+    "replay_op": "replay a captured op occurrence in isolation and name its nondeterministic mechanism",
+    "fixcheck": "validate a fix with paired runs: the original pair diverges, the fixed pair matches",
+    "doctor": "rank the known causes of a divergence with their evidence and the next command",
 }
 
 

@@ -1,7 +1,7 @@
 """`bitdet localize RUN_A RUN_B`: first op whose inputs match but outputs differ (exit 0 / 1 / 2).
 
 With traces/ in both runs they are compared directly; with fingerprints only, the automatic ladder
-(analysis.ladder) re-runs both around the first divergent step with tracing on, level by level."""
+(workflows.ladder) re-runs both around the first divergent step with tracing on, level by level."""
 from __future__ import annotations
 
 import json
@@ -9,6 +9,7 @@ import sys
 
 from pathlib import Path
 
+from megatron_bitdet.analysis.diagnose import diagnose, facts_from_ladder
 from megatron_bitdet.workflows.ladder import LadderConfig, describe, run_ladder
 from megatron_bitdet.analysis.localize import FALSE_ALARMS, MATCH, LocalizeConfig, localize_traces
 from megatron_bitdet.trace.format import LEVELS, trace_dir
@@ -20,7 +21,8 @@ def register(subparsers, summary: str) -> None:
         epilog="Runs with traces/ are compared as they are; runs with fingerprints only go up the ladder: "
                "first divergent step from the fingerprints, then both runs re-launched from their manifests "
                "(run from the directory they were launched in) with tracing semantic -> module -> op in a "
-               "window ending at that step, into RUN_X/ladder/<level>/. "
+               "window ending at that step, into RUN_X/ladder/<level>/, then the kernel rung: the culprit op "
+               "captured in both re-runs (RUN_X/ladder/kernel/) and replayed in isolation. "
                "Exit 0: no mismatch; 1: mismatch found (also when the ladder could not reproduce it: "
                "intermittent); 2: unusable input (missing, foreign or torn trace, scope mismatch).",
     )
@@ -31,6 +33,10 @@ def register(subparsers, summary: str) -> None:
                    help=f"ladder rungs, in order (default {','.join(LEVELS)})")
     p.add_argument("--context", type=int, default=LadderConfig.context, metavar="K",
                    help="ladder: steps traced before the first divergent one (default %(default)s)")
+    p.add_argument("--no-kernel", action="store_true",
+                   help="ladder: stop at the op rung (no capture re-run, no isolated replay of the culprit op)")
+    p.add_argument("--repeats", type=int, default=LadderConfig.repeats, metavar="N",
+                   help="kernel rung: replays of the captured op per configuration (default %(default)s)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--workers", type=int, default=0, help="parallel processes (default: one per CPU)")
     p.add_argument("--history", type=int, default=LocalizeConfig.history,
@@ -40,6 +46,7 @@ def register(subparsers, summary: str) -> None:
 
 def _print_table(result) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -61,14 +68,19 @@ def _print_table(result) -> None:
         c = result.culprit
         console.print(f"[bold]culprit:[/] rank {c['rank']} {c['classification']} at {c['event_id']}: {c['evidence']}"
                       + note)
+        console.print(escape(diagnose(facts_from_ladder({"culprit": c})).headline()), highlight=False)
+        if c["classification"] == "producer":
+            console.print("kernel rung: comes with the ladder (localize on fingerprint-only runs re-runs them, "
+                          "captures this op and replays it); `bitdet replay-op` replays a capture")
     for w in result.warnings:
         console.print(f"[yellow]warning:[/] {w}")
 
 
 def _print_ladder(result) -> None:
     from rich.console import Console
+    from rich.markup import escape
 
-    console = Console()
+    console = Console(soft_wrap=True)  # one line per rung: greppable, copyable
     if not result.diverged:
         console.print(f"[green]{result.note}[/]")
         return
@@ -79,9 +91,14 @@ def _print_ladder(result) -> None:
         console.print(f"  {r.level:<8} steps {r.steps[0]}-{r.steps[1]} ranks {'all' if r.ranks is None else r.ranks}"
                       f" ({r.events_compared} events): {found}")
     if result.reproduced:
-        console.print(f"[bold]culprit:[/] {describe(result.culprit)}")
+        console.print(f"[bold]culprit:[/] {escape(describe(result.culprit))}")
+        if result.kernel:
+            console.print(f"[bold]kernel:[/]  {escape(result.kernel['verdict'])}", highlight=False)
+            for line in result.kernel.get("evidence", []):
+                console.print(f"  {escape(line)}", highlight=False)
     else:
-        console.print(f"[yellow]{result.note}[/]")
+        console.print(f"[yellow]{escape(result.note)}[/]")
+    console.print(escape(diagnose(facts_from_ladder(result.to_json())).headline()), highlight=False)
 
 
 def run(args) -> int:
@@ -89,7 +106,8 @@ def run(args) -> int:
     if not args.traces_only and not (trace_dir(args.run_a).is_dir() and trace_dir(args.run_b).is_dir()):
         levels = tuple(filter(None, (lv.strip() for lv in args.levels.split(","))))
         ladder = run_ladder(Path(args.run_a), Path(args.run_b),
-                            LadderConfig(levels=levels, context=args.context, localize=local))
+                            LadderConfig(levels=levels, context=args.context, localize=local,
+                                         kernel=not args.no_kernel, repeats=args.repeats))
         if args.json:
             json.dump(ladder.to_json(), sys.stdout, indent=1)
             sys.stdout.write("\n")

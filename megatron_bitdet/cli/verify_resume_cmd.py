@@ -62,4 +62,8 @@ def run(args) -> int:
         console = Console()
         console.print(report.table())
         console.print(report.summary(), style="green" if report.holds else "bold red", highlight=False)
+        if not report.holds:
+            from megatron_bitdet.analysis.diagnose import diagnose, facts_from_resume
+
+            console.print(diagnose(facts_from_resume(report.to_json())).headline(), highlight=False, markup=False)
     return 0 if report.holds else 1

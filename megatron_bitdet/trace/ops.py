@@ -78,7 +78,21 @@ class _OpTraceMode(TorchDispatchMode):
                     flags.append("reads_uninit")
         if tr.inflight and any(t.data_ptr() in tr.inflight for t in in_t):
             flags.append("reads_inflight")
+        cap = tr.capture
+        armed = cap is not None and not cap.done and tr.next_id(info.name) == cap.event_id
+        if armed:
+            tr.quiet += 1
+            try:
+                pending = cap.before(func, args, kwargs)
+            finally:
+                tr.quiet -= 1
         out = func(*args, **kwargs)
+        if armed:
+            tr.quiet += 1
+            try:
+                cap.after(pending, out)
+            finally:
+                tr.quiet -= 1
         out_t = flat_tensors((out,), None)
         if info.uninit:
             flags.append("uninit")

@@ -12,8 +12,9 @@ import torch
 
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.trace import collectives, hooks, ops
+from megatron_bitdet.trace.capture import DEFAULT_MAX_BYTES, OpCapture
 from megatron_bitdet.trace.digest import HASHES, digest, resolve, trace_tensors
-from megatron_bitdet.trace.format import LEVELS, TraceWriter, record_line, trace_path
+from megatron_bitdet.trace.format import LEVELS, TraceWriter, event_id, record_line, trace_path
 
 _FLUSH_EVERY = 4096
 
@@ -24,6 +25,7 @@ class TraceConfig:
     steps: tuple[int, int] = (1, 1 << 62)   # inclusive window
     ranks: frozenset[int] | None = None     # None: every rank
     hash: str = "fast"
+    capture: dict | None = None             # {"rank", "event_id", "max_bytes"?}: the kernel rung's capture
 
     def __post_init__(self):
         if self.level not in LEVELS:
@@ -33,13 +35,15 @@ class TraceConfig:
 
     def to_json(self) -> dict:
         """The form the ranks receive and the manifest records."""
-        return {"level": self.level, "steps": list(self.steps),
-                "ranks": None if self.ranks is None else sorted(self.ranks), "hash": self.hash}
+        d = {"level": self.level, "steps": list(self.steps),
+             "ranks": None if self.ranks is None else sorted(self.ranks), "hash": self.hash}
+        return {**d, "capture": self.capture} if self.capture else d
 
     @classmethod
     def from_json(cls, d: dict) -> "TraceConfig":
         ranks = d.get("ranks")
-        return cls(d["level"], tuple(d["steps"]), None if ranks is None else frozenset(ranks), d.get("hash", "fast"))
+        return cls(d["level"], tuple(d["steps"]), None if ranks is None else frozenset(ranks), d.get("hash", "fast"),
+                   d.get("capture"))
 
 
 class Tracer:
@@ -47,7 +51,8 @@ class Tracer:
 
     def __init__(self, run_dir, rank: int, world_size: int, level: str = "semantic",
                  steps: tuple[int, int] = (1, 1 << 62), ranks=None, hash: str = "fast",
-                 manifest_digest: str | None = None):
+                 manifest_digest: str | None = None, capture: dict | None = None):
+        """``capture``: {"rank", "event_id", "max_bytes"?} arms an OpCapture of that op occurrence (op level)."""
         self.config = TraceConfig(level, tuple(steps), frozenset(ranks) if ranks is not None else None, hash)
         self.rank = rank
         self.enabled = ranks is None or rank in self.config.ranks
@@ -63,6 +68,12 @@ class Tracer:
         self.inflight: dict[int, str] = {}  # data_ptr -> async collective whose output is not waited yet
         self.uninit: dict[int, None] = {}   # data_ptr of aten.empty* outputs not yet written
         self._writer = None
+        self.capture = None
+        if capture and capture.get("rank") == rank and self.enabled:
+            if level != "op":
+                raise BitdetInputError("capturing an op occurrence needs trace level 'op'")
+            self.capture = OpCapture(run_dir, rank, capture["event_id"], capture.get("max_bytes", DEFAULT_MAX_BYTES),
+                                     context={"manifest_digest": manifest_digest})
         if self.enabled:
             self._writer = TraceWriter(trace_path(run_dir, rank), {
                 "rank": rank, "world_size": world_size, "level": level, "steps": list(self.config.steps),
@@ -127,6 +138,12 @@ class Tracer:
         return phase, self._scope[-1] if self._scope else ""
 
     # -- records --------------------------------------------------------------------------------
+    def next_id(self, name: str) -> str:
+        """The event id the next record named ``name`` would get here (for arming a capture)."""
+        ph, sc = self.current()
+        return event_id({"step": self._step, "phase": ph, "scope": sc, "name": name,
+                         "n": self._counts.get((ph, sc, name), 0)})
+
     def fps(self, tensors) -> list:
         self.quiet += 1
         try:

@@ -128,7 +128,7 @@ def _tracer(trace, run_dir: Path, rank: int, world_size: int, state, manifest: d
     from megatron_bitdet.trace import Tracer
 
     tracer = Tracer(run_dir, rank, world_size, level=trace.level, steps=trace.steps, ranks=trace.ranks,
-                    hash=trace.hash, manifest_digest=manifest["recipe_digest"])
+                    hash=trace.hash, manifest_digest=manifest["recipe_digest"], capture=trace.capture)
     tracer.attach([m.module for m in state.ddp_modules])
     return tracer
 

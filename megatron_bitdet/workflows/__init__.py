@@ -1,1 +1,2 @@
-"""Workflows that launch runs and read them back: prove, verify-resume, the localize ladder, the tax, replay."""
+"""Workflows that launch runs and read them back: prove, verify-resume, the localize ladder, the tax,
+replay, fixcheck, doctor."""

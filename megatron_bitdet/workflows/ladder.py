@@ -10,6 +10,10 @@ the culprit rank when it is a producer. Rung outputs go to RUN_X/ladder/<level>/
 
 A divergence that does not reappear in a rung's re-runs is intermittent: the ladder stops and says
 which rung and window it tried (the runs still diverged, so the exit code stays 1).
+
+The last rung is the kernel rung: for an op-level producer both runs are re-run once more with that
+op occurrence's inputs captured on the culprit rank (RUN_X/ladder/kernel/captures/), and the op is
+replayed in isolation (analysis.kernel_replay) to name its mechanism.
 """
 from __future__ import annotations
 
@@ -21,10 +25,10 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_bitdet.analysis.compare import compare_runs
-from megatron_bitdet.analysis.localize import PRODUCER, LocalizeConfig, localize_traces
+from megatron_bitdet.analysis.localize import BLIND_SPOT, CONTROL, PRODUCER, LocalizeConfig, localize_traces
 from megatron_bitdet.enforce.manifest import load_manifest
 from megatron_bitdet.errors import BitdetError, BitdetInputError
-from megatron_bitdet.rundir import logs_dir, manifest_path
+from megatron_bitdet.rundir import logs_dir, manifest_path, read_result
 from megatron_bitdet.trace import TraceConfig
 from megatron_bitdet.trace.format import LEVELS
 
@@ -34,6 +38,9 @@ class LadderConfig:
     levels: tuple[str, ...] = LEVELS
     context: int = 1                 # steps traced before the first divergent one (its inputs' history)
     localize: LocalizeConfig = LocalizeConfig()
+    kernel: bool = True              # end with the kernel rung (capture + isolated replay)
+    retries: int = 1                 # re-runs of a rung whose window showed no mismatch (intermittent sources)
+    repeats: int = 20                # kernel rung: replays per configuration
 
     def __post_init__(self):
         bad = [lv for lv in self.levels if lv not in LEVELS]
@@ -66,6 +73,7 @@ class LadderResult:
     culprit: dict | None = None
     reproduced: bool | None = None   # None: not diverged; False: some rung saw no divergence
     note: str = ""
+    kernel: dict | None = None       # the kernel rung: {"status", "verdict", "mechanism", ...}
 
     @property
     def exit_code(self) -> int:
@@ -107,12 +115,12 @@ def _relaunch_spec(run_dir) -> _Relaunch:
     return _Relaunch(recipe, nproc, provider)
 
 
-def _relaunch_both(specs, runs, level: str, steps: list[int], ranks) -> list[Path]:
+def _relaunch_both(specs, runs, level: str, steps: list[int], ranks, capture=None, rung=None) -> list[Path]:
     """Re-run A and B side by side with tracing on in the window; their consoles go to stderr."""
     from megatron_bitdet.train.run import RunOptions, launch_training
 
-    trace = TraceConfig(level, tuple(steps), None if ranks is None else frozenset(ranks))
-    outs = [Path(run) / "ladder" / level for run in runs]
+    trace = TraceConfig(level, tuple(steps), None if ranks is None else frozenset(ranks), capture=capture)
+    outs = [Path(run) / "ladder" / (rung or level) for run in runs]
     codes: list = [None, None]
 
     def one(i):
@@ -123,7 +131,7 @@ def _relaunch_both(specs, runs, level: str, steps: list[int], ranks) -> list[Pat
         except BaseException as exc:  # reported below, in this thread
             codes[i] = exc
 
-    print(f"[ladder] {level}: re-running both runs to step {steps[1]}, tracing steps {steps[0]}-{steps[1]}, "
+    print(f"[ladder] {rung or level}: re-running both runs to step {steps[1]}, tracing steps {steps[0]}-{steps[1]}, "
           f"ranks {'all' if ranks is None else ranks}", file=sys.stderr, flush=True)
     with contextlib.redirect_stdout(sys.stderr):
         threads = [threading.Thread(target=one, args=(i,)) for i in range(2)]
@@ -139,8 +147,33 @@ def _relaunch_both(specs, runs, level: str, steps: list[int], ranks) -> list[Pat
     return outs
 
 
+RESULT_FILE = "result.json"
+
+
+def ladder_result_path(run_a) -> Path:
+    return Path(run_a) / "ladder" / RESULT_FILE
+
+
+def load_ladder_result(run_a, run_b) -> dict | None:
+    """The saved ladder of this pair (None when absent or made for another run B)."""
+    data = read_result(ladder_result_path(run_a), "ladder result", ("diverged", "run_b"))
+    return data if data and Path(str(data["run_b"])).resolve() == Path(run_b).resolve() else None
+
+
 def run_ladder(run_a, run_b, config: LadderConfig = LadderConfig()) -> LadderResult:
-    """Fingerprints → first divergent step → traced re-runs, one level per rung → culprit."""
+    """Fingerprints → first divergent step → traced re-runs, one level per rung → culprit → kernel rung.
+    The result is saved to RUN_A/ladder/result.json (what `bitdet doctor` reads)."""
+    import json
+
+    result = _climb(run_a, run_b, config)
+    if result.diverged:
+        path = ladder_result_path(run_a)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(result.to_json(), indent=1))
+    return result
+
+
+def _climb(run_a, run_b, config: LadderConfig) -> LadderResult:
     cmp = compare_runs(run_a, run_b)
     if cmp.verdict == "incomplete":
         raise BitdetInputError(f"{run_a} and {run_b}: the {cmp.steps_compared} common steps match, but steps "
@@ -155,15 +188,19 @@ def run_ladder(run_a, run_b, config: LadderConfig = LadderConfig()) -> LadderRes
     specs = [_relaunch_spec(run_a), _relaunch_spec(run_b)]
     steps, ranks = [max(1, div.step - config.context), div.step], None
     for level in config.levels:
-        outs = _relaunch_both(specs, (run_a, run_b), level, steps, ranks)
-        found = localize_traces(*outs, config.localize)
+        for _ in range(1 + config.retries):
+            outs = _relaunch_both(specs, (run_a, run_b), level, steps, ranks)
+            found = localize_traces(*outs, config.localize)
+            if found.mismatch:
+                break
         c = found.culprit
         result.rungs.append(Rung(level, list(steps), ranks, [str(o) for o in outs], found.mismatch, c,
                                  found.events_compared))
         if not found.mismatch:
             result.reproduced = False
-            result.note = (f"intermittent: the divergence at step {div.step} did not reproduce in the {level} "
-                           f"re-runs (steps {steps[0]}-{steps[1]}, ranks {'all' if ranks is None else ranks}); "
+            result.note = (f"intermittent: the divergence at step {div.step} did not reproduce in "
+                           f"{1 + config.retries} {level} re-run(s) (steps {steps[0]}-{steps[1]}, "
+                           f"ranks {'all' if ranks is None else ranks}); "
                            f"rungs tried: {', '.join(r.level for r in result.rungs)}")
             return result
         result.culprit = c
@@ -171,7 +208,42 @@ def run_ladder(run_a, run_b, config: LadderConfig = LadderConfig()) -> LadderRes
         if c["classification"] == PRODUCER and not c.get("receivers"):
             ranks = [c["rank"]]
     result.reproduced = True
+    if config.kernel:
+        result.kernel = kernel_rung(specs, (run_a, run_b), result.culprit, result.rungs[-1].level, config.repeats)
     return result
+
+
+def kernel_rung(specs, runs, culprit: dict, level: str, repeats: int) -> dict:
+    """Capture the culprit op occurrence in both runs and replay it in isolation; or say why not."""
+    from megatron_bitdet.analysis.kernel_replay import RUNTIME_CONFIG, replay_op
+    from megatron_bitdet.rundir import capture_path
+
+    cls = culprit["classification"]
+    if cls == CONTROL:
+        return {"status": "not_replayable", "mechanism": RUNTIME_CONFIG,
+                "verdict": f"the runs executed different ops from equal inputs at step {culprit['step']} "
+                           f"({culprit['evidence']}): a code path chosen at run time (autotuning, timing- or "
+                           "state-based dispatch); no single op to replay"}
+    if cls == BLIND_SPOT:
+        return {"status": "not_replayable", "mechanism": "dispatcher_blind_spot",
+                "verdict": f"{culprit['evidence']}; replay-op runs ATen and registered custom ops only: replay "
+                           f"module {culprit['module'] or '(top level)'}'s own forward with captured inputs"}
+    why = ("needs an op-level culprit (add op to --levels)" if level != "op" else
+           f"a {cls} culprit has no op whose equal inputs give differing outputs" if cls != PRODUCER else
+           "the culprit is a collective whose members all had equal inputs (its order lives in the reduction "
+           "or transport, not in a replayable op)" if culprit.get("inputs") is None else None)
+    if why:
+        return {"status": "skipped", "mechanism": None, "verdict": f"kernel rung skipped: {why}"}
+    capture = {"rank": culprit["rank"], "event_id": culprit["event_id"]}
+    outs = _relaunch_both(specs, runs, "op", [culprit["step"], culprit["step"]], [culprit["rank"]],
+                          capture=capture, rung="kernel")
+    paths = [capture_path(o, culprit["rank"]) for o in outs]
+    missing = [str(p) for p in paths if not p.is_file()]
+    if missing:
+        return {"status": "not_captured", "mechanism": None,
+                "verdict": f"the re-run did not reach {culprit['event_id']} ({', '.join(missing)} not written)"}
+    found = replay_op(*paths, repeats=repeats)
+    return {"status": "replayed", **found.to_json()}
 
 
 def describe(culprit: dict) -> str:

@@ -12,18 +12,20 @@ The reference therefore saves nothing; it only snapshots and fingerprints.
 """
 from __future__ import annotations
 
+import json
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.errors import BitdetError, BitdetInputError
-from megatron_bitdet.rundir import checkpoints_dir, iter_dir, logs_dir, snapshot_path
+from megatron_bitdet.rundir import checkpoints_dir, iter_dir, logs_dir, read_result, snapshot_path
 
 _MISSING = object()
 # Snapshot entries that are split one level deeper into components of their own (rng.python, ...).
 _SPLIT = ("rng",)
 _META = ("step", "rank")
+REPORT_FILE = "verify_resume.json"
 
 
 @dataclass
@@ -261,8 +263,18 @@ def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_pr
         _compare_outputs(reference_dir, run_dir, point)
         points.append(point)
         previous = run_dir
-    return ResumeReport(recipe=recipe.name, reference_dir=str(reference_dir), out_dir=str(out_dir),
-                        resume_at=steps, iterations=iterations, faults=faults, points=points, checks=checks)
+    report = ResumeReport(recipe=recipe.name, reference_dir=str(reference_dir), out_dir=str(out_dir),
+                          resume_at=steps, iterations=iterations, faults=faults, points=points, checks=checks)
+    (out_dir / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=1))
+    return report
+
+
+def load_resume_report(out_dir) -> dict | None:
+    """A saved verify-resume report (what `bitdet doctor` reads), or None when there is none."""
+    data = read_result(Path(out_dir) / REPORT_FILE, "verify-resume report", ("points", "holds"))
+    if data is not None and not isinstance(data["points"], list):
+        raise BitdetInputError(f"{Path(out_dir) / REPORT_FILE}: not a verify-resume report (points is not a list)")
+    return data
 
 
 def _compare_outputs(reference_dir: Path, run_dir: Path, point: ResumePoint) -> None:

@@ -177,21 +177,31 @@ def with_measured_batches(recipe, config: "TaxConfig"):
 
 
 def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_dir=None, profile_steps: int = 2,
-                model_provider: str | None = None) -> TaxResult:
-    """Measure the tax of ``recipe`` (determinism.mode must be true) on ``nproc`` local ranks."""
+                model_provider: str | None = None, against=None, against_provider: str | None = None) -> TaxResult:
+    """Measure the tax of ``recipe`` (determinism.mode must be true) on ``nproc`` local ranks.
+
+    ``against``: measure ``recipe`` against that one recipe (with ``against_provider``) instead of the
+    nondeterministic candidates: a fix's cost, the fixed configuration vs the original one."""
     cfg = TaxConfig(rounds=rounds, warmup=warmup, profile_steps=profile_steps)
-    if not recipe.determinism.mode:
+    if against is None and not recipe.determinism.mode:
         raise BitdetInputError("the tax compares the deterministic recipe with a baseline: "
                                "determinism.mode must be true (the baseline is derived from it)")
     recipe = with_measured_batches(recipe, cfg)
-    sides = candidates(recipe)
+    if against is None:
+        sides = candidates(recipe)
+    else:
+        sides = [{"name": "fixed", "recipe": recipe.to_dict(), "deterministic": recipe.determinism.mode,
+                  "model_provider": model_provider},
+                 {"name": "original", "recipe": with_measured_batches(against, cfg).to_dict(),
+                  "deterministic": against.determinism.mode, "model_provider": against_provider}]
     out_dir = Path(out_dir or tempfile.mkdtemp(prefix="bitdet_tax_"))
     stats, threads, phases = run_sides(recipe, sides, nproc=nproc, config=cfg, out_dir=out_dir,
                                        model_provider=model_provider)
     det, others = stats[0], stats[1:]
     base = min(others, key=lambda s: s.median_ms)
-    notes = [f"baseline = fastest nondeterministic candidate: {base.name} "
-             f"(candidates: {', '.join(f'{c.name} {c.median_ms:.2f} ms' for c in others)})",
+    notes = [(f"baseline = fastest nondeterministic candidate: {base.name} "
+              f"(candidates: {', '.join(f'{c.name} {c.median_ms:.2f} ms' for c in others)})") if against is None
+             else "baseline = the original (unfixed) configuration; the fixed one is measured against it",
              "one launch: every rank builds all sides and alternates their steps on the same batches; "
              "process-wide determinism env vars apply to every side",
              "peak memory: " + ("CUDA allocator peak per step" if det.peak_memory_mib and _on_cuda()

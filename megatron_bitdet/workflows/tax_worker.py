@@ -144,8 +144,12 @@ class PeakMemory:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
+_DEFAULT_THREADS: list = []
+
+
 def _activate(side: Side) -> None:
-    """Make this process run ``side``: its exact patch set and torch's deterministic-algorithms flag."""
+    """Make this process run ``side``: its exact patch set, torch's deterministic-algorithms flag and
+    its thread count (a deterministic recipe's determinism.threads, else torch's default)."""
     from megatron_bitdet.compat.patching import applied_patches, apply_patches, load_declarations, revert_patches
 
     have = [p["id"] for p in applied_patches()]
@@ -157,6 +161,8 @@ def _activate(side: Side) -> None:
         apply_patches(load_declarations(ids=missing))
     torch.use_deterministic_algorithms(side.deterministic)
     torch.utils.deterministic.fill_uninitialized_memory = side.fill
+    det = side.recipe.determinism
+    torch.set_num_threads(det.threads if det.mode and det.threads is not None else _DEFAULT_THREADS[0])
 
 
 def _build(side: Side, provider) -> None:
@@ -225,7 +231,7 @@ def _profile(side: Side, steps: int) -> None:
 
 def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds: int, warmup: int,
                profile_steps: int, out_path: str, model_provider: str | None = None) -> int:
-    """``sides``: [{"name", "recipe" (dict), "deterministic"}], the deterministic one first."""
+    """``sides``: [{"name", "recipe" (dict), "deterministic", "model_provider"?}], the deterministic one first."""
     from megatron.core import parallel_state as ps
 
     from megatron_bitdet.compat import cpu_backend
@@ -238,8 +244,8 @@ def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds:
     cpu_backend.install()
     run_recipe, enforcement = enforced()
     init_parallel(run_recipe)
-    provider = load_model_provider(model_provider)
-    built = []
+    _DEFAULT_THREADS[:] = [torch.get_num_threads()]
+    built, providers = [], []
     for s in sides:
         r = Recipe.from_dict(s["recipe"], source=f"<tax {s['name']}>")
         swaps = list(enforcement.rules.swaps) if s.get("swaps", s["deterministic"]) else []
@@ -247,8 +253,9 @@ def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds:
                    if p not in s.get("without_patches", ())]
         built.append(Side(s["name"], r, patches, s["deterministic"], swaps,
                           fill=s.get("fill_uninitialized_memory", run_recipe.determinism.fill_uninitialized_memory)))
+        providers.append(load_model_provider(s.get("model_provider", model_provider)))
     phases = {"start": time.perf_counter()}
-    for side in built:
+    for side, provider in zip(built, providers):
         _build(side, provider)
     phases["built"] = time.perf_counter()
     comm, memory = CommTimer(), PeakMemory()

@@ -1,0 +1,1 @@
+"""Shipped data: the catalog of known nondeterminism sources (megatron_bitdet.catalog)."""

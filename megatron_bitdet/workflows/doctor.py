@@ -1,0 +1,94 @@
+"""`bitdet doctor`: gather the evidence two runs (or a verify-resume directory) offer, running what is
+missing, and rank the catalog's known sources against it.
+
+Two run directories: their validation scopes (a scope change is its own diagnosis), the fingerprint
+comparison, then the saved ladder result (RUN_A/ladder/result.json) or, unless offline, the ladder
+itself with its kernel rung. A run resumed from a checkpoint is not re-run: its divergence after the
+restore points at verify-resume. One directory: a verify-resume --out directory (verify_resume.json).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_bitdet.analysis.compare import ScopeMismatchError, compare_runs
+from megatron_bitdet.analysis.diagnose import (
+    Diagnosis, diagnose, facts_from_compare, facts_from_ladder, facts_from_resume, facts_from_scope,
+)
+from megatron_bitdet.workflows.ladder import LadderConfig, load_ladder_result, run_ladder
+from megatron_bitdet.workflows.resume import load_resume_report
+from megatron_bitdet.enforce.manifest import load_manifest
+from megatron_bitdet.errors import BitdetInputError
+
+
+@dataclass
+class DoctorReport:
+    diagnosis: Diagnosis
+    sources: list = field(default_factory=list)   # what the evidence came from, in order
+    verdict: str = ""                              # the comparison's own verdict, one line
+
+    def to_json(self) -> dict:
+        return {"verdict": self.verdict, "sources": self.sources, **self.diagnosis.to_json()}
+
+
+def _resumed(run) -> bool:
+    try:
+        argv = load_manifest(run).get("argv") or []
+    except BitdetInputError:
+        return False
+    return "--load" in argv or any(str(a).startswith("--load=") for a in argv)
+
+
+def _recipe(run):
+    try:
+        return load_manifest(run).get("recipe")
+    except BitdetInputError:
+        return None
+
+
+def doctor(run_a, run_b=None, *, offline: bool = False, ladder: LadderConfig = LadderConfig()) -> DoctorReport:
+    """Evidence from what exists (running compare, and the ladder unless ``offline``), ranked causes."""
+    if run_b is None:
+        report = load_resume_report(run_a)
+        if report is None:
+            raise BitdetInputError(f"{run_a}: no verify_resume.json; give two run directories, or a "
+                                   "verify-resume --out directory")
+        verdict = "resume holds" if report["holds"] else "resume broken"
+        d = diagnose(facts_from_resume(report))
+        if report["holds"]:
+            d.causes, d.next = [], ""
+            d.notes.append("the resume holds: nothing to diagnose")
+        return DoctorReport(d, [f"verify-resume: {Path(run_a) / 'verify_resume.json'}"], verdict)
+    try:
+        cmp = compare_runs(run_a, run_b)
+    except ScopeMismatchError as exc:
+        d = diagnose(facts_from_scope(exc.mismatches, _recipe(run_a), _recipe(run_b)))
+        d.notes.append("the runs were made in different validation scopes: compare refuses them (--force "
+                       "compares anyway, knowing the bits may legitimately differ)")
+        return DoctorReport(d, ["compare: scopes differ"], "scope mismatch")
+    sources = [f"compare: {cmp.verdict} over {cmp.steps_compared} steps x {len(cmp.ranks_compared)} ranks"]
+    if cmp.verdict == "match":
+        d = Diagnosis(facts={}, notes=[f"fingerprints match over {cmp.steps_compared} steps: nothing to diagnose"])
+        return DoctorReport(d, sources, "match")
+    resumed = _resumed(run_a) or _resumed(run_b)
+    facts = [facts_from_compare(cmp, resumed=resumed)]
+    div = cmp.first_divergence
+    verdict = f"diverged at step {div.step} on rank(s) {div.ranks}"
+    saved = load_ladder_result(run_a, run_b)
+    if saved is not None:
+        sources.append(f"localize: {Path(run_a) / 'ladder' / 'result.json'}")
+    elif resumed:
+        sources.append("localize: not run (a resumed run; the ladder re-runs from iteration 0)")
+    elif offline:
+        sources.append("localize: not run (--offline)")
+    else:
+        saved = run_ladder(run_a, run_b, ladder).to_json()
+        sources.append("localize: ran the ladder" + (" and the kernel rung" if ladder.kernel else ""))
+    if saved is not None:
+        facts.append(facts_from_ladder(saved))
+    unsure = ("bitdet verify-resume --recipe RECIPE --resume-at K" if resumed
+              else f"bitdet localize {run_a} {run_b}")
+    d = diagnose(*facts, next_if_unsure=unsure)
+    if saved is None:
+        d.notes.append(f"ranked from the fingerprints only; `{unsure}` gives the evidence that tells causes apart")
+    return DoctorReport(d, sources, verdict)

@@ -1,0 +1,74 @@
+"""`bitdet doctor` names the right catalog entry on real 2-rank training for: a divergence from step 1
+caused by a run-time choice (a provider whose linears pick a split-K kernel by timing the candidates),
+a fused-aux-loss-style MoE-only divergence (per-expert sums accumulated in an os.urandom order), and a
+thread-count scope change. (An RNG not restored after resume: test_verify_resume, on its fault runs.)"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+
+from megatron_bitdet.cli import main
+
+from conftest import train
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = "recipes/nemotron_h_tiny.yaml"
+pytestmark = pytest.mark.timeout(900)
+
+
+def _pair(base: Path, provider: str, *overrides: str) -> tuple[str, str]:
+    def one(name):
+        return main(["train", "--recipe", RECIPE, "--nproc", "2", "--run-dir", str(base / name),
+                     "--model-provider", provider, *overrides])
+    with ThreadPoolExecutor(2) as pool:
+        assert list(pool.map(one, "ab")) == [0, 0]
+    return str(base / "a"), str(base / "b")
+
+
+def _causes(out: str) -> list[str]:
+    return [line.split("]")[0].split("[")[1] for line in out.splitlines() if line[:1].isdigit() and ". [" in line]
+
+
+@pytest.fixture
+def at_root(monkeypatch):
+    monkeypatch.chdir(ROOT)  # ranks and the ladder import the example providers from the repository root
+
+
+def test_runtime_kernel_choice_from_step_1(tmp_path, at_root, capsys):
+    a, b = _pair(tmp_path, "examples.planted_nondeterminism:autotune_provider", "--stop-at", "1",
+                 "training.iterations=3")
+    assert main(["doctor", a, b, "--levels", "op"]) == 1
+    out = capsys.readouterr().out
+    assert "verdict: diverged at step 1" in out
+    assert _causes(out)[0] == "runtime_autotuning", out
+    assert "localize culprit: control_divergence" in out and "kernel rung: runtime_configuration" in out
+
+
+def test_fused_aux_loss_style_moe_only_divergence(tmp_path, at_root, capsys):
+    a, b = _pair(tmp_path, "examples.planted_nondeterminism:fused_aux_loss_provider", "training.iterations=3")
+    assert main(["doctor", a, b, "--offline"]) == 1
+    out = capsys.readouterr().out
+    assert _causes(out)[0] == "moe_fused_aux_loss", out
+    assert "lm_loss bit-identical at the first divergent step" in out and "differing first: aux_loss" in out
+    assert "next: bitdet fixcheck --recipe RECIPE --fix determinism.swaps=true" in out
+
+
+def test_thread_count_scope_change(reference_run, tmp_path, capsys):
+    one_thread = train(tmp_path / "t1", "determinism.threads=1", stop_at=1)
+    assert one_thread.rc == 0
+    assert main(["doctor", str(reference_run.dir), str(one_thread.dir)]) == 1
+    out = capsys.readouterr().out
+    assert "verdict: scope mismatch" in out
+    assert _causes(out)[0] == "thread_count_scope", out
+    assert "torch_threads" in out and "recipe/determinism.threads" in out
+
+
+def test_doctor_bad_input_exits_2(tmp_path, capsys):
+    assert main(["doctor", str(tmp_path)]) == 2
+    assert "no verify_resume.json" in capsys.readouterr().err
+    (tmp_path / "verify_resume.json").write_bytes(b"\xff{not json")
+    assert main(["doctor", str(tmp_path)]) == 2
+    assert "verify_resume.json" in capsys.readouterr().err
+    assert main(["doctor", str(tmp_path / "a"), str(tmp_path / "b")]) == 2

@@ -1,0 +1,104 @@
+"""The kernel rung on real ops, without training: an op occurrence captured inside a traced window
+(by its run-independent event id, inputs cloned before the op), written per rank, read back with
+weights_only, replayed in a fresh process under several configurations; verdicts for the real CPU
+index_put_(accumulate) nondeterminism, an order drawn inside the kernel (the planted atomic sum),
+a deterministic op, and differing configurations between two runs. Bad capture files exit 2."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_bitdet.analysis.kernel_replay import replay_op
+from megatron_bitdet.cli import main
+from megatron_bitdet.trace import Tracer
+from megatron_bitdet.rundir import capture_path
+from megatron_bitdet.trace.capture import load_capture, rebuild
+
+ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.timeout(240)
+
+
+def _capture(run_dir, fn, event_id):
+    with Tracer(run_dir, 0, 1, level="op", steps=(1, 1), capture={"rank": 0, "event_id": event_id}) as tr:
+        with tr.step(1):
+            fn()
+    return capture_path(run_dir, 0)
+
+
+def _index_put(threads=2):
+    def fn():
+        torch.set_num_threads(threads)
+        g = torch.Generator().manual_seed(0)
+        idx = torch.randint(0, 8, (16384,), generator=g)  # few rows: many repeated indices
+        vals = torch.randn(16384, 64, generator=g)
+        torch.zeros(8, 64).index_put_((idx,), vals, accumulate=True)
+    return fn
+
+
+def test_index_put_accumulate_is_thread_order_with_a_deterministic_variant(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        paths = [_capture(tmp_path / r, _index_put(), "1/forward//aten.index_put_.default#0") for r in "ab"]
+    finally:
+        torch.set_num_threads(threads)
+    rec = load_capture(paths[0])
+    assert rec["op"] == "aten.index_put_.default" and rec["threads"] == 2 and rec["args"][3] is True
+    assert torch.count_nonzero(rebuild(rec["inputs"][0], strided=True)) == 0  # cloned before the op wrote it
+    v = replay_op(*paths, repeats=20, threads=[1, 2])
+    by = {c["label"]: c for c in v.configs}
+    assert by["as recorded (2 threads)"]["distinct"] > 1
+    assert by["1 thread"]["distinct"] == 1 and by["deterministic algorithms (2 threads)"]["distinct"] == 1
+    assert v.mechanism == "thread_scheduling" and v.deterministic_variant == "yes"
+    assert v.verdict.startswith("aten.index_put_.default (accumulate) — ")
+    assert "1 at 1 thread, 1 with deterministic algorithms" in v.verdict and "torch has a deterministic variant" in v.verdict
+    assert "captured inputs identical in both runs" in v.evidence
+
+
+def test_planted_atomic_sum_varies_inside_the_kernel(tmp_path, monkeypatch):
+    monkeypatch.chdir(ROOT)  # the replay process imports the op's defining module from here
+    from examples.planted_nondeterminism import atomic_sum
+
+    parts = torch.randn(8, 4096, generator=torch.Generator().manual_seed(1))
+    path = _capture(tmp_path / "a", lambda: atomic_sum(parts), "1/forward//bitdet_example.atomic_sum.default#0")
+    assert load_capture(path)["home"] == "examples.planted_nondeterminism"
+    assert main(["replay-op", str(tmp_path / "a"), "--repeats", "10", "--threads", "1,2"]) == 0
+    v = replay_op(path, repeats=10, threads=[1, 2])
+    assert v.mechanism == "order_inside_kernel" and v.deterministic_variant == "no"
+    assert "varies on one thread too" in v.verdict
+
+
+def test_deterministic_op_and_differing_configurations(tmp_path):
+    x = torch.randn(64, 32).t()  # recorded strides are not contiguous
+    paths = []
+    for r, dim in (("a", 0), ("b", 1)):
+        paths.append(_capture(tmp_path / r, lambda dim=dim: torch.cumsum(x, dim), "1/forward//aten.cumsum.default#0"))
+    rec = load_capture(paths[0])
+    assert rec["inputs"][0]["stride"] == [1, 32] and rebuild(rec["inputs"][0], strided=True).stride() == (1, 32)
+    alone = replay_op(paths[0], repeats=5, threads=[1, 2])
+    assert alone.mechanism == "deterministic_in_isolation" and all(c["distinct"] == 1 for c in alone.configs)
+    both = replay_op(*paths, repeats=5, threads=[1, 2])
+    assert both.mechanism == "runtime_configuration" and "dim: 0 vs 1" in both.verdict
+
+
+def test_capture_size_bound_and_bad_files_exit_2(tmp_path, capsys):
+    big = torch.zeros(1024)
+    with Tracer(tmp_path / "big", 0, 1, level="op", steps=(1, 1),
+                capture={"rank": 0, "event_id": "1/forward//aten.add.Tensor#0", "max_bytes": 1000}) as tr:
+        with tr.step(1):
+            big + 1
+    rec = load_capture(capture_path(tmp_path / "big", 0))
+    assert "too_large" in rec and "data" not in rec["inputs"][0]
+    assert main(["replay-op", str(capture_path(tmp_path / "big", 0))]) == 2
+    assert "nothing to replay" in capsys.readouterr().err
+    bad = tmp_path / "bad.capture.pt"
+    for payload in (b"\x00\xffgarbage", b""):
+        bad.write_bytes(payload)
+        assert main(["replay-op", str(bad)]) == 2
+        assert str(bad) in capsys.readouterr().err
+    torch.save({"format": "something-else"}, bad)
+    assert main(["replay-op", str(bad)]) == 2
+    assert "foreign file" in capsys.readouterr().err
+    assert main(["replay-op", str(tmp_path)]) == 2  # a directory without captures/
+    assert "no capture" in capsys.readouterr().err
