@@ -55,16 +55,16 @@ _CUDA_LITERALS = [
 ]
 
 
-def _rebind(old, new) -> None:
+def _rebind(old, new, prefixes=("megatron.core",)) -> None:
     """Point every already-imported megatron module that did ``from x import old`` at ``new``."""
     for name, module in list(sys.modules.items()):
-        if name.startswith("megatron.core") and module is not None:
+        if name.startswith(prefixes) and module is not None:
             for attr, value in list(vars(module).items()):
                 if value is old:
                     setattr(module, attr, new)
 
 
-def _cuda_literals_to_cpu(target: str) -> None:
+def _cuda_literals_to_cpu(target: str, literals=_CUDA_LITERALS, prefixes=("megatron.core",)) -> None:
     """Recompile ``module:Qual.name`` with its hard-coded CUDA device literals pointed at the CPU.
 
     The source must still contain at least one literal, so a megatron-core change under the seam
@@ -80,7 +80,7 @@ def _cuda_literals_to_cpu(target: str) -> None:
     fn = inspect.unwrap(raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw)
     src = textwrap.dedent(inspect.getsource(fn))
     hits = 0
-    for old, new in _CUDA_LITERALS:
+    for old, new in literals:
         hits += src.count(old)
         src = src.replace(old, new)
     if not hits:
@@ -96,7 +96,7 @@ def _cuda_literals_to_cpu(target: str) -> None:
     new.__wrapped__ = fn
     setattr(owner, attr, new)
     if not inspect.isclass(owner):
-        _rebind(raw, new)
+        _rebind(raw, new, prefixes)
 
 
 class _NullEvent:

@@ -12,7 +12,9 @@ from pathlib import Path
 import torch
 
 from megatron_bitdet.train.console import Console
-from megatron_bitdet.train.step_fingerprints import StepFingerprintWriter, buffer_digest, ddp_buffers
+from megatron_bitdet.train.step_fingerprints import (
+    StepFingerprintWriter, buffer_digest, ddp_buffers, moe_aux_losses, step_metrics,
+)
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -28,20 +30,6 @@ def _forward_step(data_iterator, model):
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
-
-
-def _moe_aux_losses(num_microbatches: int) -> dict:
-    """This rank's per-layer load-balancing losses from megatron's tracker (then cleared)."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
-
-    out = {}
-    for name, entry in get_moe_layer_wise_logging_tracker().items():
-        values = entry["values"] / num_microbatches
-        for layer, v in enumerate(values):
-            if v != 0:
-                out[f"{name}/layer_{layer + 1:02d}"] = v.to(torch.float32)
-    clear_aux_losses_tracker()
-    return out
 
 
 def _lm_loss(losses_reduced):
@@ -157,16 +145,9 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             state.scheduler.step(increment=1)
             elapsed = time.perf_counter() - t0
             lm_loss = _lm_loss(losses)
-            aux = _moe_aux_losses(data.num_microbatches)
-            aux_total = sum(aux.values()) * moe_coeff if aux else None
-            metrics = {
-                "loss": None if lm_loss is None else (lm_loss + aux_total if aux_total is not None else lm_loss),
-                "lm_loss": lm_loss,
-                "aux_loss": aux_total,
-                **{f"aux_loss/{k}": v for k, v in aux.items()},
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "lr": float(lr),
-            }
+            aux = moe_aux_losses(data.num_microbatches)
+            metrics = step_metrics(lm_loss=lm_loss, aux=aux, aux_coeff=moe_coeff, grad_norm=grad_norm, lr=lr)
+            aux_total = metrics["aux_loss"]
             writer.write(step, metrics, {"params": buffer_digest(model, "param_data"), "grads": grads_digest})
             console.step(step, stop, elapsed_ms=elapsed * 1000, lr=lr, lm_loss=lm_loss, aux=aux_total,
                          grad_norm=grad_norm, consumed=data.consumed_samples, skipped=0 if ok else 1)

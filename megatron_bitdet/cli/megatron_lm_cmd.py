@@ -1,0 +1,54 @@
+"""`bitdet megatron-lm`: run Megatron-LM's own pretrain_gpt.py / pretrain_mamba.py unmodified under bitdet."""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+EXAMPLES = """examples:
+  bitdet megatron-lm --nproc 2 --run-dir runs/m $MEGATRON_LM_PATH/pretrain_mamba.py --deterministic-mode \\
+      --spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec ... <Megatron args>
+  bitdet megatron-lm --check $MEGATRON_LM_PATH/pretrain_gpt.py --deterministic-mode <a production launch line>
+  torchrun --nproc-per-node 8 -m megatron_bitdet.megatron_lm PATH/pretrain_mamba.py --deterministic-mode \\
+      --recipe R.yaml --run-dir runs/gpu <Megatron args>
+
+--check judges the launch line (exit 2 listing every violation, 0 when clean) without training; flags
+for kernels that are not installed here are judged, not imported. bitdet's own options may appear
+among the Megatron args: --recipe, --bitdet-override, --run-dir, --trace, --trace-steps, --trace-ranks.
+run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, logs/rank_XXXXX.log (as for `bitdet train`)"""
+
+
+def register(subparsers, summary):
+    p = subparsers.add_parser("megatron-lm", help=summary, description=__doc__, epilog=EXAMPLES,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--nproc", type=int, default=1, help="ranks on this machine (default 1)")
+    p.add_argument("--run-dir", default=None, help="manifest, fingerprints and logs (default ./bitdet_run)")
+    p.add_argument("--check", action="store_true", help="judge the launch line only (dry run; no training)")
+    p.add_argument("script", help="the Megatron-LM script, e.g. $MEGATRON_LM_PATH/pretrain_mamba.py")
+    p.add_argument("megatron_args", nargs=argparse.REMAINDER, help="the script's arguments, unchanged")
+    p.set_defaults(func=run)
+
+
+def launch_line(script: str, megatron_args: list, *, nproc: int, run_dir: str | None) -> int:
+    """Run ``script`` on ``nproc`` local ranks under the entry point; returns the exit code."""
+    from megatron_bitdet.megatron_lm import entry
+    from megatron_bitdet.train.launch import launch
+
+    entry.split_argv([script])  # the script must exist: exit 2 before any rank starts
+    argv = list(megatron_args) + (["--run-dir", str(run_dir)] if run_dir else [])
+    opts = entry.preparse(argv)
+    env = {"PYTHONUNBUFFERED": "1"}
+    if opts.deterministic_mode:
+        env.update(entry.canonical_env(entry.load_base_recipe(opts)))
+    logs = opts.run_dir or run_dir or "bitdet_run"
+    return launch("megatron_bitdet.megatron_lm.entry:rank_worker", nproc,
+                  {"script": os.path.abspath(script), "argv": argv}, run_dir=logs, env=env, console_rank=-1)
+
+
+def run(args) -> int:
+    from megatron_bitdet.megatron_lm import entry
+
+    if args.check:
+        argv = list(args.megatron_args) + (["--run-dir", args.run_dir] if args.run_dir else [])
+        return entry.main(["--check", args.script, *argv])
+    return launch_line(args.script, args.megatron_args, nproc=args.nproc, run_dir=args.run_dir)
