@@ -3,4 +3,5 @@ import sys
 
 from megatron_bitdet.megatron_lm.entry import main
 
-sys.exit(main(sys.argv[1:]))
+if __name__ == "__main__":  # spawned helpers (dist_checkpointing's save) re-import this module
+    sys.exit(main(sys.argv[1:]))

@@ -112,11 +112,13 @@ TABLE = (
     Flag("model.attention_dropout", "--attention-dropout", _attr("attention_dropout")),
     Flag("model.params_dtype", None, _dtype,
          lambda v: {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(v, [])),
-    Flag("model.spec", "--transformer-impl", _spec,
+    Flag("model.spec", "--spec", _spec,
          lambda v: ["--transformer-impl", "local", "--spec", "megatron_bitdet.megatron_lm.specs",
-                    "local_mamba_stack_spec"] if v == "local" else []),
+                    "local_mamba_stack_spec"] if v == "local" else
+         ["--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]),
     Flag("model.attention_backend", "--attention-backend", _attention_backend),
-    Flag("model.mtp_num_layers", "--mtp-num-layers", _attr("mtp_num_layers", 0)),
+    Flag("model.mtp_num_layers", "--mtp-num-layers", _attr("mtp_num_layers", 0),
+         lambda v: ["--mtp-num-layers", str(v)] if v else []),
     Flag("model.cross_entropy_loss_fusion", "--cross-entropy-loss-fusion", _attr("cross_entropy_loss_fusion", False),
          _bool_flag("--cross-entropy-loss-fusion")),
     Flag("model.mamba.num_heads", "--mamba-num-heads", _attr("mamba_num_heads")),
@@ -220,6 +222,11 @@ def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str 
             if path not in base._locations:
                 continue  # a schema default, not something the recipe file says
             mine, theirs = _get(base_dict, row.key), _get(derived, row.key)
+            if row.key == "model.spec" and mine == "auto":
+                continue  # auto: whichever family the flags build
+            if row.key == "model.moe.expert_impl" and (mine, theirs) == ("grouped", "sequential"):
+                _set(derived, row.key, mine)  # bitdet's grouped GEMM replaces SequentialMLP: no Megatron flag
+                continue
             if theirs is not None and not _same(mine, theirs):
                 flag = row.flag or "(derived from the dtype / activation flags)"
                 conflicts.append(f"{base.where(*path)}: {row.key}: the recipe says {mine!r} but Megatron-LM's "
@@ -242,9 +249,10 @@ def render_flags(recipe) -> list[str]:
     """Megatron-LM flags for a recipe's model / parallel / training sections."""
     data = recipe.to_dict()
     out: list[str] = []
+    dense = not recipe.model.moe.num_experts
     for row in TABLE:
         value = _get(data, row.key)
-        if value is None:
+        if value is None or (dense and row.key.startswith("model.moe.")):
             continue
         if row.put is not None:
             out += row.put(value)

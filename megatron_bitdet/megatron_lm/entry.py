@@ -8,13 +8,12 @@ Order, because determinism needs it: (1) the canonical environment, before the s
 CUDA, megatron.training's included; (3) hooks on Megatron's own seams (``pretrain`` chains bitdet's
 arguments into the script's ``extra_args_provider``; ``validate_args`` judges the parsed args — the
 model that will really be built — enables torch's flags and installs the swaps before any process
-group or model exists; ``train_step`` writes the per-step fingerprints); (4) the script, via runpy.
+group or model exists; ``train_step`` writes the per-step fingerprints); (4) the script, as ``__main__``.
 """
 from __future__ import annotations
 
 import argparse
 import os
-import runpy
 import sys
 
 from megatron_bitdet.errors import BitdetError, BitdetInputError
@@ -31,6 +30,8 @@ def add_entry_args(parser):
     group = parser.add_argument_group(title="bitdet run", description="run directory and tracing")
     group.add_argument("--run-dir", default=None, metavar="DIR",
                        help="manifest, fingerprints, traces (default: ./bitdet_run)")
+    group.add_argument("--snapshot-at", default=None, metavar="K1,K2",
+                       help="live-state snapshots as step K+1 begins (bitdet verify-resume)")
     group.add_argument("--trace", default=None, metavar="LEVEL", help="semantic, module or op")
     group.add_argument("--trace-steps", default=None, metavar="A-B", help="inclusive step window")
     group.add_argument("--trace-ranks", default=None, metavar="LIST", help="ranks to trace, e.g. 0,1")
@@ -99,6 +100,16 @@ def split_argv(argv: list[str]):
     return check, script, argv[i + 1:]
 
 
+def run_as_main(script: str) -> None:
+    """Execute the script as ``__main__`` without putting it in ``sys.modules['__main__']``: helpers
+    that spawn interpreters (dist_checkpointing's save) re-import the *entry's* main module, not the
+    script (which would run again there without the CPU seams)."""
+    with open(script, "rb") as fh:
+        code = compile(fh.read(), script, "exec")
+    exec(code, {"__name__": "__main__", "__file__": script, "__builtins__": __builtins__,
+                "__package__": None, "__spec__": None, "__loader__": None, "__cached__": None})
+
+
 def run(script: str, rest: list[str], *, check: bool = False) -> int:
     """Everything in this process; returns the exit code (the script's SystemExit code included)."""
     from megatron_bitdet.megatron_lm import hooks
@@ -109,7 +120,7 @@ def run(script: str, rest: list[str], *, check: bool = False) -> int:
     if mode and not check:
         os.environ.update(canonical_env(base))
     script = os.path.abspath(script)
-    sys.path.insert(0, os.path.dirname(script))  # as `python script.py` does
+    sys.path.append(os.path.dirname(script))  # after site-packages: megatron.core stays the installed wheel
     import torch
 
     if not torch.cuda.is_available():
@@ -120,7 +131,7 @@ def run(script: str, rest: list[str], *, check: bool = False) -> int:
     hooks.install(session)
     sys.argv = [script, *rest]
     try:
-        runpy.run_path(script, run_name="__main__")
+        run_as_main(script)
     except hooks.CheckDone as done:
         return done.code
     except SystemExit as exc:

@@ -53,6 +53,10 @@ class Session:
     model: list | None = None
 
     @property
+    def snapshot_at(self) -> frozenset:
+        return frozenset(int(k) for k in (self.opts.snapshot_at or "").split(",") if k.strip())
+
+    @property
     def run_dir(self) -> Path:
         return Path(self.opts.run_dir or DEFAULT_RUN_DIR)
 
@@ -99,7 +103,8 @@ def judge(session, args):
     return recipe, plan(recipe, late=not session.check)
 
 
-def _print_judgement(recipe, outcome, violations, out=sys.stdout) -> None:
+def _print_judgement(recipe, outcome, violations) -> None:
+    out = sys.stdout
     for o in outcome.opt_outs:
         print(f"opted out [{o['id']}] {o['message']} (accepted at {o['where']}: {o['why']})", file=out)
     for s in outcome.swaps:
@@ -124,7 +129,7 @@ def check_launch(session, extra_args_provider) -> int:
         from megatron_bitdet.enforce import Enforcement, write_manifest
 
         session.recipe = recipe
-        enforcement = Enforcement(mode=True, env=judged[0], rules=outcome, threads=0, warnings=judged[4])
+        enforcement = Enforcement(mode=True, env=judged[0], rules=outcome, threads=0, warnings=judged[3])
         write_manifest(session.run_dir, _manifest(session, enforcement, args, check=True))
     return 2 if violations else 0
 
@@ -215,11 +220,70 @@ def on_step_end(session, step: int, result, model) -> None:
     session.writer.write(step, metrics, {"params": buffer_digest(model, "param_data"), "grads": session.grads_digest})
 
 
+_ORIGINALS: dict = {}
+
+
+class DataPosition:
+    """Megatron-LM's data position (consumed samples), as the snapshot's ``data`` component."""
+
+    def state_dict(self) -> dict:
+        from megatron.training import get_args
+
+        args = get_args()
+        return {"consumed_train_samples": int(args.consumed_train_samples),
+                "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0))}
+
+
+def snapshot(session, iteration: int, model, optimizer, scheduler) -> None:
+    """The live state after ``iteration`` steps, taken as step ``iteration + 1`` begins — in the
+    uninterrupted run and right after a restore alike (same point, same objects)."""
+    import torch
+
+    from megatron_bitdet.train.snapshot import take_snapshot
+
+    take_snapshot(session.run_dir, iteration, rank=torch.distributed.get_rank(), ddp_modules=model,
+                  optimizer=optimizer, scheduler=scheduler, data=DataPosition())
+
+
+def load_with_adam_fix(original, ddp_model, optimizer, *a, **kw):
+    """Megatron-LM's load_checkpoint with megatron-core 0.16.1's two torch-Adam step bugs fixed (as
+    ``bitdet train`` does): states exist (with a step) before the shards are described, and each param
+    gets its own copy of the saved step afterwards."""
+    from megatron_bitdet.train.checkpoint import prepare_optimizer_for_load, restore_adam_steps
+
+    if optimizer is None:
+        return original(ddp_model, optimizer, *a, **kw)
+    prepare_optimizer_for_load(optimizer)
+    loaded = []
+    inner_load = optimizer.load_state_dict
+
+    def load_state_dict(state_dict, *la, **lkw):
+        loaded.append(state_dict)
+        import torch
+
+        with torch.no_grad():  # megatron copies into leaf params in place
+            return inner_load(state_dict, *la, **lkw)
+
+    optimizer.load_state_dict = load_state_dict
+    try:
+        result = original(ddp_model, optimizer, *a, **kw)
+    finally:
+        del optimizer.load_state_dict
+    if loaded:
+        restore_adam_steps(optimizer, loaded[-1])
+    return result
+
+
 def install(session: Session) -> None:
-    """Wrap Megatron-LM's seams for this session (once per process)."""
+    """Wrap Megatron-LM's seams for this session (a later session in the same process, e.g. a second
+    ``--check``, replaces the earlier one's wrappers instead of stacking on them)."""
     from megatron.training import initialize, training
 
-    original_pretrain = training.pretrain
+    if not _ORIGINALS:
+        _ORIGINALS.update(pretrain=training.pretrain, validate_args=initialize.validate_args,
+                          iterators=training.build_train_valid_test_data_iterators, train_step=training.train_step,
+                          load_checkpoint=training.load_checkpoint)
+    original_pretrain = _ORIGINALS["pretrain"]
 
     @functools.wraps(original_pretrain)
     def pretrain(*a, extra_args_provider=None, **kw):
@@ -227,14 +291,14 @@ def install(session: Session) -> None:
             raise CheckDone(check_launch(session, extra_args_provider))
         return original_pretrain(*a, extra_args_provider=_chain(extra_args_provider), **kw)
 
-    original_validate = initialize.validate_args
+    original_validate = _ORIGINALS["validate_args"]
 
     @functools.wraps(original_validate)
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
         on_validate(session, args)
         return original_validate(args, defaults)
 
-    original_iterators = training.build_train_valid_test_data_iterators
+    original_iterators = _ORIGINALS["iterators"]
 
     @functools.wraps(original_iterators)
     def build_train_valid_test_data_iterators(*a, **kw):
@@ -246,15 +310,24 @@ def install(session: Session) -> None:
         finally:
             torch.set_rng_state(state)
 
-    original_step = training.train_step
+    original_step = _ORIGINALS["train_step"]
 
     @functools.wraps(original_step)
-    def train_step(forward_step_func, data_iterator, model, optimizer, *a, iteration=None, **kw):
+    def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, *a, iteration=None, **kw):
         session.model = model
         _wrap_optimizer_step(session, optimizer)
-        result = original_step(forward_step_func, data_iterator, model, optimizer, *a, iteration=iteration, **kw)
+        if iteration in session.snapshot_at:
+            snapshot(session, iteration, model, optimizer, scheduler)
+        result = original_step(forward_step_func, data_iterator, model, optimizer, scheduler, *a,
+                               iteration=iteration, **kw)
         on_step_end(session, iteration + 1, result, model)
         return result
+
+    original_load = _ORIGINALS["load_checkpoint"]
+
+    @functools.wraps(original_load)
+    def load_checkpoint(ddp_model, optimizer, *a, **kw):
+        return load_with_adam_fix(original_load, ddp_model, optimizer, *a, **kw)
 
     import megatron.training as package
 
@@ -262,3 +335,4 @@ def install(session: Session) -> None:
     initialize.validate_args = validate_args
     training.build_train_valid_test_data_iterators = build_train_valid_test_data_iterators
     training.train_step = train_step
+    training.load_checkpoint = load_checkpoint

@@ -184,7 +184,7 @@ def _saved_steps(tree) -> set:
     return set()
 
 
-def _restore_adam_steps(optimizer, loaded: dict) -> None:
+def restore_adam_steps(optimizer, loaded: dict) -> None:
     """megatron 0.16.1 + torch Adam restores "step" wrongly on two counts: the dp_reshardable loader
     copies the (unsaved) per-param step back over the restored one, and the restored ones share a
     single tensor that torch increments once per param. Each param gets its own copy of the saved step,
@@ -201,6 +201,17 @@ def _restore_adam_steps(optimizer, loaded: dict) -> None:
             group.pop("step", None)  # the serialized copy; torch Adam reads only the per-param step
 
 
+def prepare_optimizer_for_load(optimizer) -> None:
+    """A fresh optimizer has no state yet; megatron needs the tensors to exist to describe the shards.
+    Its torch-Adam init_state_fn omits "step", which the distributed optimizer's state_dict reads
+    (``assert len(steps) == 1`` otherwise)."""
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if opt.init_state_fn is not None:
+            opt.init_state_fn(opt.optimizer, opt.config)
+            for param_state in opt.optimizer.state.values():
+                param_state.setdefault("step", torch.tensor(0.0))
+
+
 def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int) -> tuple[int, dict]:
     """Collective. Restores model, optimizer, scheduler; returns (iteration, this rank's state)."""
     from megatron.core import dist_checkpointing
@@ -213,13 +224,7 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
             "resume needs the same layout"
         )
     rank = torch.distributed.get_rank()
-    # A fresh optimizer has no state yet; megatron needs the tensors to exist to describe the shards.
-    # Its torch-Adam init_state_fn omits "step", which the distributed optimizer's state_dict reads.
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if opt.init_state_fn is not None:
-            opt.init_state_fn(opt.optimizer, opt.config)
-            for param_state in opt.optimizer.state.values():
-                param_state.setdefault("step", torch.tensor(0.0))
+    prepare_optimizer_for_load(optimizer)
     template = _sharded_state_dict(
         ddp_modules, optimizer, rank=rank, world=world_size, is_loading=True,
         extra={"rank_state": None, "scheduler": None, "iteration": None},
@@ -230,6 +235,6 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
         m.module.load_state_dict(state[key], strict=True)
     with torch.no_grad():  # megatron copies into leaf params in place (no_grad is missing upstream)
         optimizer.load_state_dict(state["optimizer"])
-    _restore_adam_steps(optimizer, state["optimizer"])
+    restore_adam_steps(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["iteration"]), state["bitdet_rank_state"]

@@ -1,0 +1,171 @@
+"""Megatron-LM's own pretrain_mamba.py / pretrain_gpt.py, unmodified, under the bitdet entry point on 2
+real gloo ranks: byte-identical twins, another seed diverging at step 1, the launch-line lint.
+
+Needs a Megatron-LM checkout (``MEGATRON_LM_PATH``; ``.ci/run`` points it at ../shared/megatron-lm).
+Every launch is made once per session and read by every test that needs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+
+from megatron_bitdet.cli import main as bitdet
+
+MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
+pytestmark = pytest.mark.skipif(
+    not MEGATRON_LM or not os.path.isfile(os.path.join(MEGATRON_LM, "pretrain_mamba.py")),
+    reason="MEGATRON_LM_PATH is unset or holds no pretrain_mamba.py (point it at a Megatron-LM checkout)",
+)
+
+COMMON = (
+    "--hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
+    "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-ffn-hidden-size 64 "
+    "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 "
+    "--micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
+    "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --transformer-impl local "
+    "--use-distributed-optimizer --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
+    "--no-bias-dropout-fusion --no-persist-layer-norm --normalization RMSNorm --disable-bias-linear "
+    "--log-interval 1 --eval-iters 0 --eval-interval 1000 --deterministic-mode"
+).split()
+MAMBA = [
+    "--spec", "megatron_bitdet.megatron_lm.specs", "local_mamba_stack_spec", "--num-layers", "4",
+    "--hybrid-override-pattern", "M*-E", "--mamba-num-heads", "4", "--mamba-head-dim", "32",
+    "--mamba-state-dim", "16", "--mamba-num-groups", "2", "--position-embedding-type", "none",
+    "--untie-embeddings-and-output-weights", *COMMON,
+]
+GPT = ["--num-layers", "2", "--swiglu", "--no-bias-swiglu-fusion", "--position-embedding-type", "rope",
+       "--no-rope-fusion", *COMMON]
+# --tp-comm-overlap and --moe-grouped-gemm are TE-only: judged here, where TE is absent, never imported
+FUSIONS = ["--cross-entropy-loss-fusion", "--moe-permute-fusion", "--moe-router-fusion", "--tp-comm-overlap",
+           "--moe-grouped-gemm"]
+OPTED = {"cross_entropy_loss_fusion", "moe_permute_fusion", "moe_router_fusion", "tp_comm_overlap", "te_grouped_gemm"}
+
+
+def script(name: str) -> str:
+    return os.path.join(MEGATRON_LM, name)
+
+
+def launch(run_dir: Path, name: str, args: list, *extra: str) -> int:
+    return bitdet(["megatron-lm", "--nproc", "2", "--run-dir", str(run_dir), script(name), *args, *extra])
+
+
+def lines(run_dir: Path, rank: int) -> list[dict]:
+    path = run_dir / "fingerprints" / f"rank_{rank:05d}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def mamba_runs(tmp_path_factory):
+    """pretrain_mamba.py (M*-E, EP2 alltoall, distributed optimizer, dropout 0.1): twins and seed 4321."""
+    root = tmp_path_factory.mktemp("megatron_lm_mamba")
+    runs = {k: root / k for k in ("a", "b", "seed")}
+    rcs = {k: launch(d, "pretrain_mamba.py", MAMBA, "--seed", "4321" if k == "seed" else "1234")
+           for k, d in runs.items()}
+    return runs, rcs
+
+
+@pytest.fixture(scope="session")
+def gpt_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_lm_gpt")
+    runs = {k: root / k for k in ("a", "b")}
+    return runs, {k: launch(d, "pretrain_gpt.py", GPT) for k, d in runs.items()}
+
+
+def test_mamba_twins_byte_identical_and_compare_match(mamba_runs, capsys):
+    runs, rcs = mamba_runs
+    assert rcs == {"a": 0, "b": 0, "seed": 0}
+    for rank in (0, 1):
+        a = (runs["a"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+        assert a == (runs["b"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+        assert [s["step"] for s in lines(runs["a"], rank)] == [1, 2, 3]
+    assert bitdet(["compare", str(runs["a"]), str(runs["b"])]) == 0
+    assert "MATCH" in capsys.readouterr().out
+
+
+def test_mamba_other_seed_diverges_at_step_1(mamba_runs, capsys):
+    runs, _ = mamba_runs
+    capsys.readouterr()
+    # the seed is part of the validation scope: comparing across it needs --force
+    assert bitdet(["compare", str(runs["a"]), str(runs["seed"])]) == 2
+    capsys.readouterr()
+    assert bitdet(["compare", "--force", "--json", str(runs["a"]), str(runs["seed"])]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["first_divergence"]["step"] == 1 and report["first_divergence"]["ranks"] == [0, 1]
+
+
+def test_mamba_fingerprints_and_manifest_describe_what_megatron_built(mamba_runs):
+    runs, _ = mamba_runs
+    for rank in (0, 1):
+        step = lines(runs["a"], rank)[0]
+        assert {"loss", "lm_loss", "aux_loss", "grad_norm", "lr"} <= set(step["metrics"])
+        # the only MoE layer is the 4th: its load-balancing loss, per layer, on every rank
+        assert "aux_loss/load_balancing_loss/layer_04" in step["metrics"]
+        assert set(step["digests"]) == {"params", "grads"}
+    manifest = json.loads((runs["a"] / "manifest.json").read_text())
+    model, parallel = manifest["recipe"]["model"], manifest["recipe"]["parallel"]
+    assert model["hybrid_pattern"] == "M*-E" and model["hidden_dropout"] == 0.1 and model["spec"] == "local"
+    assert parallel["expert"] == 2 and parallel["distributed_optimizer"] is True
+    assert manifest["scope"]["deterministic_mode"] is True and manifest["scope"]["world_size"] == 2
+    patches = {p["id"] for p in manifest["patches"]}
+    assert {"ssd_scan", "gated_rmsnorm", "causal_conv1d", "moe_aux_loss", "local_final_norm"} <= patches
+    assert {"allow_no_cuda", "model_parallel_groups", "batch_invariant_kernels"} <= set(manifest["cpu_backend_seams"])
+    assert manifest["env"]["NCCL_ALGO"]["value"] == "Ring"
+    assert (runs["a"] / "logs" / "rank_00001.log").is_file()
+
+
+def test_gpt_twins_byte_identical(gpt_runs, capsys):
+    runs, rcs = gpt_runs
+    assert rcs == {"a": 0, "b": 0}
+    for rank in (0, 1):
+        a = (runs["a"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+        assert a and a == (runs["b"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+    assert bitdet(["compare", str(runs["a"]), str(runs["b"])]) == 0
+    manifest = json.loads((runs["a"] / "manifest.json").read_text())
+    assert manifest["recipe"]["model"]["hybrid_pattern"] == "*E*E"  # a GPT layer: attention, then MoE
+
+
+def test_check_lists_every_violation_at_once(capsys):
+    rc = bitdet(["megatron-lm", "--check", script("pretrain_gpt.py"), *GPT, *FUSIONS])
+    out = capsys.readouterr().out
+    assert rc == 2
+    for rule in OPTED:
+        assert f"[{rule}]" in out
+    # refused together; the router fusion and TE grouped GEMM have deterministic variants, listed as swaps
+    assert "3 feature(s) have no deterministic path" in out
+    assert "swapped [moe_router_fusion]" in out and "swapped [te_grouped_gemm]" in out
+
+
+def test_check_with_opt_outs_passes_and_manifest_records_them(tmp_path, capsys):
+    recipe = tmp_path / "opt_out.yaml"
+    recipe.write_text(
+        "name: opt-out\nmodel: {hybrid_pattern: '*E*E', hidden_size: 64, ffn_hidden_size: 128,\n"
+        "  num_attention_heads: 4, seq_length: 64, vocab_size: 256, moe: {num_experts: 4, ffn_hidden_size: 64}}\n"
+        "determinism:\n  opt_out: [cross_entropy_loss_fusion, moe_permute_fusion, moe_router_fusion,\n"
+        "            tp_comm_overlap, te_grouped_gemm]\n")
+    rc = bitdet(["megatron-lm", "--check", "--run-dir", str(tmp_path / "run"), script("pretrain_gpt.py"),
+                 *GPT, *FUSIONS, "--recipe", str(recipe)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert {o["id"] for o in manifest["rules"]["opt_outs"]} == OPTED
+    assert all(f"opted out [{rule}]" in out for rule in OPTED)
+    assert manifest["megatron_lm"]["check"] is True
+
+
+def test_check_clean_line_exits_0(capsys):
+    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA]) == 0
+    assert "OK " in capsys.readouterr().out
+
+
+def test_recipe_disagreeing_with_a_flag_is_refused_naming_both(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nmodel: {hybrid_pattern: 'M*-E', hidden_size: 128, ffn_hidden_size: 128,\n"
+                      "  num_attention_heads: 4, seq_length: 64, vocab_size: 256, moe: {num_experts: 4,\n"
+                      "  ffn_hidden_size: 64}}\n")
+    rc = bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, "--recipe", str(recipe)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"{recipe}:2: model.hidden_size" in err and "--hidden-size gives 64" in err
