@@ -6,9 +6,9 @@ import json
 import sys
 
 EXAMPLES = """examples:
-  bitdet enforce --recipe recipes/nemotron_h_tiny.yaml
-  bitdet enforce --recipe recipes/nemotron_h_tiny.yaml --run-dir runs/x determinism.threads=1
-  NCCL_ALGO=Tree bitdet enforce --recipe recipes/nemotron_h_tiny.yaml   # refused: [nccl_tree]
+  bitdet enforce --recipe nemotron_h_tiny
+  bitdet enforce --recipe nemotron_h_tiny --run-dir runs/x determinism.threads=1
+  NCCL_ALGO=Tree bitdet enforce --recipe nemotron_h_tiny   # refused: [nccl_tree]
 
 exit status: 0 applied, 2 bad recipe or a feature without a deterministic path"""
 
@@ -18,7 +18,7 @@ def register(subparsers, summary):
                               formatter_class=argparse.RawDescriptionHelpFormatter,
                               description="Validate a recipe, apply the canonical determinism environment and "
                               "torch flags in this process, print the applied environment and the run manifest.")
-    p.add_argument("--recipe", required=True, metavar="PATH", help="recipe YAML file")
+    p.add_argument("--recipe", required=True, metavar="RECIPE", help="a shipped recipe's name (e.g. nemotron_h_tiny) or a recipe YAML file")
     p.add_argument("--run-dir", metavar="DIR", help="also write DIR/manifest.json (atomically)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. parallel.tensor=2")
     p.set_defaults(func=run)

@@ -10,8 +10,8 @@ import sys
 from megatron_bitdet.cli.train_cmd import add_run_args, load_run_recipe
 
 EXAMPLES = """examples:
-  bitdet prove --recipe recipes/nemotron_h_tiny.yaml --out runs/demo          # what `make demo` runs
-  bitdet prove --recipe recipes/nemotron_h_tiny.yaml --out runs/p --resume-at 3,6 training.iterations=9
+  bitdet prove --recipe nemotron_h_tiny --out runs/demo          # what `make demo` runs
+  bitdet prove --recipe nemotron_h_tiny --out runs/p --resume-at 3,6 training.iterations=9
   bitdet prove --recipe R --out runs/p --no-tax
 
 OUT: run_a/ (reference, with live-state snapshots), run_b/, resume/segment_*/, tax/, report.html"""

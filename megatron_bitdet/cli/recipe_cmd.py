@@ -7,16 +7,16 @@ import sys
 import yaml
 
 EXAMPLES = """examples:
-  bitdet recipe validate recipes/nemotron_h_tiny.yaml
-  bitdet recipe validate recipes/nemotron_h_tiny.yaml model.moe.router_fusion=true   # refused: rule id, why, fix
-  bitdet recipe show recipes/nemotron3_nano.yaml parallel.tensor=4
-  bitdet recipe megatron-args recipes/nemotron_h_8b.yaml     # the same run as Megatron-LM flags
+  bitdet recipe validate nemotron_h_tiny
+  bitdet recipe validate nemotron_h_tiny model.moe.router_fusion=true   # refused: rule id, why, fix
+  bitdet recipe show nemotron3_nano parallel.tensor=4
+  bitdet recipe megatron-args nemotron_h_8b     # the same run as Megatron-LM flags
 
 exit status: 0 valid, 2 schema error or a feature without a deterministic path"""
 
 
 def _overrides(p):
-    p.add_argument("path", metavar="PATH", help="recipe YAML file")
+    p.add_argument("path", metavar="RECIPE", help="a shipped recipe's name (e.g. nemotron_h_tiny) or a recipe YAML file")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="override a key (value parsed as YAML), e.g. model.hidden_size=128")
 

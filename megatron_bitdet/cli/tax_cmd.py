@@ -9,8 +9,8 @@ import tempfile
 from megatron_bitdet.cli.train_cmd import add_run_args, load_run_recipe
 
 EXAMPLES = """examples:
-  bitdet tax --recipe recipes/nemotron_h_tiny.yaml --nproc 2
-  bitdet tax --recipe recipes/nemotron_h_tiny.yaml --rounds 40 --warmup 5 --json model.hidden_size=128
+  bitdet tax --recipe nemotron_h_tiny --nproc 2
+  bitdet tax --recipe nemotron_h_tiny --rounds 40 --warmup 5 --json model.hidden_size=128
 
 tax = (median deterministic step time / median baseline step time - 1) x 100%. The baseline is the
 fastest of determinism.mode=false with each supported MoE expert implementation."""

@@ -7,9 +7,9 @@ import sys
 from pathlib import Path
 
 EXAMPLES = """examples:
-  bitdet train --recipe recipes/nemotron_h_tiny.yaml --deterministic-mode --nproc 2 --run-dir runs/a
-  bitdet train --recipe recipes/nemotron_h_tiny.yaml --nproc 2 --run-dir runs/a --save-interval 4
-  bitdet train --recipe recipes/nemotron_h_tiny.yaml --nproc 2 --run-dir runs/b --load runs/a/checkpoints
+  bitdet train --recipe nemotron_h_tiny --deterministic-mode --nproc 2 --run-dir runs/a
+  bitdet train --recipe nemotron_h_tiny --nproc 2 --run-dir runs/a --save-interval 4
+  bitdet train --recipe nemotron_h_tiny --nproc 2 --run-dir runs/b --load runs/a/checkpoints
   bitdet train --recipe R --nproc 2 --run-dir runs/c --model-provider my_models:provider parallel.tensor=2
   bitdet train --recipe R --nproc 2 --run-dir runs/t --trace op --trace-steps 3-4 --trace-ranks 0
   torchrun --nproc-per-node 8 -m megatron_bitdet train --recipe R --nproc 8 --run-dir runs/gpu   # GPU cluster
@@ -20,7 +20,7 @@ run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, checkpoints/iter_N/
 
 def add_run_args(p) -> None:
     """Arguments shared by every command that trains (train, verify-resume, prove, tax)."""
-    p.add_argument("--recipe", required=True, metavar="YAML", help="bitdet recipe")
+    p.add_argument("--recipe", required=True, metavar="RECIPE", help="a shipped recipe's name (e.g. nemotron_h_tiny) or a recipe YAML file")
     p.add_argument("--nproc", type=int, default=2, help="ranks on this machine (default 2)")
     p.add_argument("--deterministic-mode", action="store_true",
                    help="force determinism.mode=true (the recipe's default); determinism.mode=false runs the baseline")

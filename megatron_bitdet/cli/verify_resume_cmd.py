@@ -14,7 +14,7 @@ import sys
 from megatron_bitdet.cli.train_cmd import add_run_args, load_run_recipe
 
 EXAMPLES = """examples:
-  bitdet verify-resume --recipe recipes/nemotron_h_tiny.yaml --resume-at 2,5
+  bitdet verify-resume --recipe nemotron_h_tiny --resume-at 2,5
   bitdet verify-resume --recipe R --resume-at 4 --out runs/vr --json training.iterations=8
 
 out directory: reference/ (uninterrupted run with live-state snapshots) and one run directory per

@@ -52,7 +52,7 @@ def add_args(parser):
     if "--deterministic-mode" not in parser._option_string_actions:
         group.add_argument("--deterministic-mode", action="store_true",
                            help="apply the canonical environment, torch deterministic algorithms and the rules")
-    group.add_argument("--recipe", default=None, metavar="YAML", help="bitdet recipe (YAML) to validate and enforce")
+    group.add_argument("--recipe", default=None, metavar="RECIPE", help="bitdet recipe to validate and enforce: a shipped recipe's name (e.g. nemotron_h_tiny) or a recipe YAML file")
     group.add_argument("--bitdet-override", action="append", default=[], metavar="KEY=VALUE",
                        help="override a recipe key, e.g. model.hidden_size=128 (repeatable)")
     return parser

@@ -13,7 +13,6 @@ from megatron_bitdet.patching.apply import (
     revert_patches,
 )
 from megatron_bitdet.patching.declaration import (
-    PATCHES_DIR,
     PatchDeclaration,
     Swap,
     load_declaration,
@@ -23,7 +22,6 @@ from megatron_bitdet.patching.declaration import (
 )
 
 __all__ = [
-    "PATCHES_DIR",
     "PatchDeclaration",
     "Swap",
     "applied_patches",

@@ -25,8 +25,8 @@ import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.resources import shipped_dir
 
-PATCHES_DIR = Path(__file__).resolve().parents[2] / "patches"
 _SYMBOL = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
 _TOP_KEYS = {"id", "rule", "megatron_core", "why", "swaps"}
 _SWAP_KEYS = {"replacement", "targets", "optional_binding", "untouched"}
@@ -131,9 +131,9 @@ def load_declaration(path) -> PatchDeclaration:
 
 
 def load_declarations(directory=None, ids: Optional[List[str]] = None) -> List[PatchDeclaration]:
-    """Every ``*.yaml`` in ``directory`` (default: the repository's ``patches/``), sorted by id;
+    """Every ``*.yaml`` in ``directory`` (default: the shipped ``patches/``), sorted by id;
     with ``ids``, exactly those (an unknown id is an error)."""
-    directory = Path(directory) if directory is not None else PATCHES_DIR
+    directory = Path(directory) if directory is not None else shipped_dir("patches")
     decls = {d.id: d for d in map(load_declaration, sorted(directory.glob("*.yaml")))}
     if ids is None:
         return list(decls.values())

@@ -7,6 +7,7 @@ import json
 from megatron_bitdet.recipe.loader import RecipeError, apply_overrides, locate, render, resolve_file
 from megatron_bitdet.recipe.schema import PATTERN_SYMBOLS, RecipeConfig
 from megatron_bitdet.recipe.typed import build, is_missing, to_plain
+from megatron_bitdet.resources import resolve_recipe
 
 __all__ = ["Recipe", "RecipeError", "load_recipe", "PATTERN_SYMBOLS"]
 
@@ -42,8 +43,10 @@ class Recipe(RecipeConfig):
 
 
 def load_recipe(path: str, overrides=()) -> Recipe:
-    """Load, merge ``extends:``, apply overrides, validate. Raises RecipeError listing every issue."""
-    data, locations = resolve_file(str(path))
+    """Load (a file path or a shipped recipe's name), merge ``extends:``, apply overrides, validate.
+    Raises RecipeError listing every issue."""
+    path = resolve_recipe(path)
+    data, locations = resolve_file(path)
     override_issues = apply_overrides(data, locations, overrides)
     try:
         recipe = Recipe.from_dict(data, source=str(path), locations=locations)
