@@ -62,7 +62,10 @@ def mamba_runs(tmp_path_factory):
     """pretrain_mamba.py (M*-E, EP2 alltoall, distributed optimizer, dropout 0.1): twins and seed 4321."""
     root = tmp_path_factory.mktemp("megatron_lm_mamba")
     runs = {k: root / k for k in ("a", "b", "seed")}
-    rcs = {k: launch(d, "pretrain_mamba.py", MAMBA, "--seed", "4321" if k == "seed" else "1234")
+    # run a also snapshots its live state as step 3 begins: the verify-resume reference (and a
+    # snapshot must not perturb a single bit: a and b are compared byte for byte)
+    rcs = {k: launch(d, "pretrain_mamba.py", MAMBA, "--seed", "4321" if k == "seed" else "1234",
+                     *(["--snapshot-at", "2"] if k == "a" else []))
            for k, d in runs.items()}
     return runs, rcs
 
@@ -169,3 +172,33 @@ def test_recipe_disagreeing_with_a_flag_is_refused_naming_both(tmp_path, capsys)
     err = capsys.readouterr().err
     assert rc == 2
     assert f"{recipe}:2: model.hidden_size" in err and "--hidden-size gives 64" in err
+
+
+def verify_resume(mamba_runs, out: Path, *extra: str) -> int:
+    runs, rcs = mamba_runs
+    assert rcs["a"] == 0
+    return bitdet(["verify-resume", "--megatron-lm", script("pretrain_mamba.py"), "--resume-at", "2", "--nproc", "2",
+                   "--out", str(out), "--reference", str(runs["a"]), "--json", *extra,
+                   "--", *MAMBA, "--seed", "1234"])
+
+
+def test_verify_resume_holds_on_megatron_checkpoints_with_dropout_and_distopt(mamba_runs, tmp_path, capsys):
+    capsys.readouterr()
+    rc = verify_resume(mamba_runs, tmp_path)
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 0 and report["holds"], report
+    components = {c["component"] for c in report["checks"]}
+    assert {"parameters", "optimizer", "scheduler", "data", "rng.torch_cpu", "rng.tracker"} <= components
+    assert all(c["equal"] for c in report["checks"]) and {c["rank"] for c in report["checks"]} == {0, 1}
+    assert [p["steps_compared"] for p in report["points"]] == [[1, 2], [3]]
+
+
+def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(mamba_runs, tmp_path, capsys):
+    capsys.readouterr()
+    rc = verify_resume(mamba_runs, tmp_path, "--skip-restore", "rng")
+    report = json.loads(capsys.readouterr().out)
+    assert rc == 1 and not report["holds"]
+    (resumed,) = [p for p in report["points"] if p["step"] == 2]
+    assert "rng.torch_cpu" in resumed["failing_components"]
+    assert {"parameters", "optimizer"}.isdisjoint(resumed["failing_components"])
+    assert report["first_output_divergence"] == {"2": 3}  # dropout draws from the unrestored generator

@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 import argparse
-import os
-import sys
 
 EXAMPLES = """examples:
   bitdet megatron-lm --nproc 2 --run-dir runs/m $MEGATRON_LM_PATH/pretrain_mamba.py --deterministic-mode \\
@@ -29,26 +27,12 @@ def register(subparsers, summary):
     p.set_defaults(func=run)
 
 
-def launch_line(script: str, megatron_args: list, *, nproc: int, run_dir: str | None) -> int:
-    """Run ``script`` on ``nproc`` local ranks under the entry point; returns the exit code."""
-    from megatron_bitdet.megatron_lm import entry
-    from megatron_bitdet.train.launch import launch
-
-    entry.split_argv([script])  # the script must exist: exit 2 before any rank starts
-    argv = list(megatron_args) + (["--run-dir", str(run_dir)] if run_dir else [])
-    opts = entry.preparse(argv)
-    env = {"PYTHONUNBUFFERED": "1"}
-    if opts.deterministic_mode:
-        env.update(entry.canonical_env(entry.load_base_recipe(opts)))
-    logs = opts.run_dir or run_dir or "bitdet_run"
-    return launch("megatron_bitdet.megatron_lm.entry:rank_worker", nproc,
-                  {"script": os.path.abspath(script), "argv": argv}, run_dir=logs, env=env, console_rank=-1)
-
-
 def run(args) -> int:
     from megatron_bitdet.megatron_lm import entry
 
     if args.check:
         argv = list(args.megatron_args) + (["--run-dir", args.run_dir] if args.run_dir else [])
         return entry.main(["--check", args.script, *argv])
+    from megatron_bitdet.megatron_lm.launch import launch_line
+
     return launch_line(args.script, args.megatron_args, nproc=args.nproc, run_dir=args.run_dir)

@@ -18,9 +18,9 @@ run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, checkpoints/iter_N/
                traces/rank_XXXXX.trace.jsonl (with --trace)"""
 
 
-def add_run_args(p) -> None:
+def add_run_args(p, *, recipe_required: bool = True) -> None:
     """Arguments shared by every command that trains (train, verify-resume, prove, tax)."""
-    p.add_argument("--recipe", required=True, metavar="RECIPE", help="a shipped recipe's name (e.g. nemotron_h_tiny) or a recipe YAML file")
+    p.add_argument("--recipe", required=recipe_required, metavar="RECIPE", help="a shipped recipe's name (e.g. nemotron_h_tiny) or a recipe YAML file")
     p.add_argument("--nproc", type=int, default=2, help="ranks on this machine (default 2)")
     p.add_argument("--deterministic-mode", action="store_true",
                    help="force determinism.mode=true (the recipe's default); determinism.mode=false runs the baseline")

@@ -18,6 +18,7 @@ import sys
 
 from megatron_bitdet.errors import BitdetError, BitdetInputError
 
+DEFAULT_RUN_DIR = "bitdet_run"
 USAGE = "python -m megatron_bitdet.megatron_lm [--check] SCRIPT.py [--deterministic-mode] [--recipe R] <Megatron args>"
 
 

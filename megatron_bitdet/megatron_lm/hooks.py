@@ -22,9 +22,6 @@ from pathlib import Path
 
 from megatron_bitdet.errors import DeterminismViolation
 
-DEFAULT_RUN_DIR = "bitdet_run"
-
-
 class CheckDone(Exception):
     """``--check`` finished judging the launch line: unwind out of the script with this exit code."""
 
@@ -58,6 +55,8 @@ class Session:
 
     @property
     def run_dir(self) -> Path:
+        from megatron_bitdet.megatron_lm.entry import DEFAULT_RUN_DIR
+
         return Path(self.opts.run_dir or DEFAULT_RUN_DIR)
 
     def close(self) -> None:
