@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from pathlib import Path
 
 import pytest
@@ -20,27 +21,24 @@ pytestmark = pytest.mark.skipif(
     reason="MEGATRON_LM_PATH is unset or holds no pretrain_mamba.py (point it at a Megatron-LM checkout)",
 )
 
-COMMON = (
-    "--hidden-size 64 --ffn-hidden-size 128 --num-attention-heads 4 --seq-length 64 --max-position-embeddings 64 "
-    "--num-experts 4 --moe-router-topk 2 --expert-model-parallel-size 2 --moe-ffn-hidden-size 64 "
-    "--moe-token-dispatcher-type alltoall --moe-aux-loss-coeff 0.01 "
-    "--micro-batch-size 2 --global-batch-size 4 --train-iters 3 --lr 1e-3 --min-lr 1e-4 --lr-decay-style cosine "
-    "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --transformer-impl local "
-    "--use-distributed-optimizer --no-gradient-accumulation-fusion --no-masked-softmax-fusion "
-    "--no-bias-dropout-fusion --no-persist-layer-norm --normalization RMSNorm --disable-bias-linear "
-    "--log-interval 1 --eval-iters 0 --eval-interval 1000 --deterministic-mode"
-).split()
-MAMBA = [
-    "--spec", "megatron_bitdet.megatron_lm.specs", "local_mamba_stack_spec", "--num-layers", "4",
-    "--hybrid-override-pattern", "M*-E", "--mamba-num-heads", "4", "--mamba-head-dim", "32",
-    "--mamba-state-dim", "16", "--mamba-num-groups", "2", "--position-embedding-type", "none",
-    "--untie-embeddings-and-output-weights", *COMMON,
-]
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readme_block() -> list[str]:
+    """The README's "Megatron-LM users" commands: the tests run exactly these flags."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Megatron-LM users"):]
+    block = section[section.index("```bash\n") + 8:]
+    return block[:block.index("```")].splitlines()
+
+
+README = readme_block()
+MAMBA = shlex.split(next(line for line in README if line.startswith("ARGS="))[len("ARGS="):])[0].split()
+FUSIONS = shlex.split(next(line for line in README if "--check" in line).split("$ARGS")[1])
+COMMON = MAMBA[MAMBA.index("--hidden-size"):]
 GPT = ["--num-layers", "2", "--swiglu", "--no-bias-swiglu-fusion", "--position-embedding-type", "rope",
        "--no-rope-fusion", *COMMON]
 # --tp-comm-overlap and --moe-grouped-gemm are TE-only: judged here, where TE is absent, never imported
-FUSIONS = ["--cross-entropy-loss-fusion", "--moe-permute-fusion", "--moe-router-fusion", "--tp-comm-overlap",
-           "--moe-grouped-gemm"]
 OPTED = {"cross_entropy_loss_fusion", "moe_permute_fusion", "moe_router_fusion", "tp_comm_overlap", "te_grouped_gemm"}
 
 
@@ -64,8 +62,7 @@ def mamba_runs(tmp_path_factory):
     runs = {k: root / k for k in ("a", "b", "seed")}
     # run a also snapshots its live state as step 3 begins: the verify-resume reference (and a
     # snapshot must not perturb a single bit: a and b are compared byte for byte)
-    rcs = {k: launch(d, "pretrain_mamba.py", MAMBA, "--seed", "4321" if k == "seed" else "1234",
-                     *(["--snapshot-at", "2"] if k == "a" else []))
+    rcs = {k: launch(d, "pretrain_mamba.py", MAMBA, *{"a": ["--snapshot-at", "2"], "b": [], "seed": ["--seed", "4321"]}[k])
            for k, d in runs.items()}
     return runs, rcs
 
@@ -131,7 +128,7 @@ def test_gpt_twins_byte_identical(gpt_runs, capsys):
 
 
 def test_check_lists_every_violation_at_once(capsys):
-    rc = bitdet(["megatron-lm", "--check", script("pretrain_gpt.py"), *GPT, *FUSIONS])
+    rc = bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, *FUSIONS])
     out = capsys.readouterr().out
     assert rc == 2
     for rule in OPTED:
@@ -144,12 +141,12 @@ def test_check_lists_every_violation_at_once(capsys):
 def test_check_with_opt_outs_passes_and_manifest_records_them(tmp_path, capsys):
     recipe = tmp_path / "opt_out.yaml"
     recipe.write_text(
-        "name: opt-out\nmodel: {hybrid_pattern: '*E*E', hidden_size: 64, ffn_hidden_size: 128,\n"
+        "name: opt-out\nmodel: {hybrid_pattern: 'M*-E', hidden_size: 64, ffn_hidden_size: 128,\n"
         "  num_attention_heads: 4, seq_length: 64, vocab_size: 256, moe: {num_experts: 4, ffn_hidden_size: 64}}\n"
         "determinism:\n  opt_out: [cross_entropy_loss_fusion, moe_permute_fusion, moe_router_fusion,\n"
         "            tp_comm_overlap, te_grouped_gemm]\n")
-    rc = bitdet(["megatron-lm", "--check", "--run-dir", str(tmp_path / "run"), script("pretrain_gpt.py"),
-                 *GPT, *FUSIONS, "--recipe", str(recipe)])
+    rc = bitdet(["megatron-lm", "--check", "--run-dir", str(tmp_path / "run"), script("pretrain_mamba.py"),
+                 *MAMBA, *FUSIONS, "--recipe", str(recipe)])
     out = capsys.readouterr().out
     assert rc == 0, out
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
@@ -179,7 +176,7 @@ def verify_resume(mamba_runs, out: Path, *extra: str) -> int:
     assert rcs["a"] == 0
     return bitdet(["verify-resume", "--megatron-lm", script("pretrain_mamba.py"), "--resume-at", "2", "--nproc", "2",
                    "--out", str(out), "--reference", str(runs["a"]), "--json", *extra,
-                   "--", *MAMBA, "--seed", "1234"])
+                   "--", *MAMBA])
 
 
 def test_verify_resume_holds_on_megatron_checkpoints_with_dropout_and_distopt(mamba_runs, tmp_path, capsys):
@@ -202,3 +199,14 @@ def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(
     assert "rng.torch_cpu" in resumed["failing_components"]
     assert {"parameters", "optimizer"}.isdisjoint(resumed["failing_components"])
     assert report["first_output_divergence"] == {"2": 3}  # dropout draws from the unrestored generator
+
+
+def test_readme_commands_are_the_ones_tested():
+    """Each README command is one this file runs (same subcommand, options and $ARGS; paths aside)."""
+    commands = [line for line in README if line.startswith("bitdet ")]
+    assert [c.split("#")[0].split()[:2] for c in commands] == [
+        ["bitdet", "megatron-lm"], ["bitdet", "megatron-lm"], ["bitdet", "compare"], ["bitdet", "verify-resume"],
+        ["bitdet", "megatron-lm"]]
+    assert commands[0].endswith("$ARGS --snapshot-at 2") and commands[1].endswith("pretrain_mamba.py $ARGS")
+    assert "--resume-at 2 --reference runs/mlm_a" in commands[3] and commands[3].endswith("-- $ARGS")
+    assert "--seed" in MAMBA and "--deterministic-mode" in MAMBA and "M*-E" in MAMBA
