@@ -1,6 +1,7 @@
 """Checkpoints of real 2-rank runs: the round trip is bitwise, corruption and incomplete saves are refused."""
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -77,3 +78,29 @@ def test_corrupt_checkpoint_fails_the_resume_naming_the_file(reference_run, tmp_
     err = capfd.readouterr().err
     assert "checkpoint is corrupt" in err and f"digest mismatch: {shard.name}" in err
     assert not (tmp_path / "run" / "fingerprints").exists()  # refused before the first step
+
+
+@pytest.mark.parametrize("edit", ["non_utf8", "rewritten", "digest"])
+def test_changed_metadata_is_refused_before_launch(reference_run, tmp_path, capsys, edit):
+    """bitdet_meta.json as saved, or exit 2 naming it: non-UTF-8 bytes, a re-serialized (whitespace-only
+    change) file, or one digest edited to match a tampered shard."""
+    from conftest import RECIPE
+    from megatron_bitdet.cli import main
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(iter_dir(reference_run.dir / "checkpoints", RESUME_AT), ckpt)
+    meta = ckpt / META
+    raw = meta.read_bytes()
+    if edit == "non_utf8":
+        meta.write_bytes(raw[:40] + b"\xff\xfe" + raw[40:])
+    elif edit == "rewritten":
+        meta.write_bytes(raw.replace(b"\n", b"\r\n"))
+    else:
+        name = sorted(p.name for p in ckpt.glob("*.distcp"))[0]
+        meta.write_bytes(raw.replace(json.loads(raw)["files"][name].encode(), b"0" * 32))
+    args = ["train", "--recipe", str(RECIPE), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+            "--load", str(ckpt), f"training.iterations={ITERATIONS}"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{meta}" in err and "corrupt checkpoint metadata" in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

@@ -147,8 +147,8 @@ def test_truncated_final_line(tmp_path, capsys):
     assert p.returncode == 2
     assert f"{f}:5" in p.stderr and "truncated" in p.stderr
     allowed = bitdet_inproc(capsys, a, b, "--allow-truncated")
-    assert allowed.returncode == 0, allowed.stderr
-    assert "lengths differ: steps only in A: 5" in allowed.stdout
+    assert allowed.returncode == 1, allowed.stderr  # the steps before it match, but step 5 was not compared
+    assert "INCOMPLETE:" in allowed.stdout and "lengths differ: steps only in A: 5" in allowed.stdout
 
 
 def test_foreign_file_and_missing_run(tmp_path, capsys):
@@ -181,10 +181,27 @@ def test_rank_file_missing_in_one_run(tmp_path):
     assert compare_runs(a, b, ranks=[0]).verdict == "match"
 
 
-def test_shorter_run_compares_common_prefix(tmp_path):
-    a, b = write_run(tmp_path / "a", steps=5), write_run(tmp_path / "b", steps=3)
+def test_shorter_run_is_incomplete_not_a_match(tmp_path, capsys):
+    """Run B stopped early: its steps agree with A's, but A's last steps were never compared."""
+    a, b = write_run(tmp_path / "a", steps=3), write_run(tmp_path / "b", steps=1)
     r = compare_runs(a, b)
-    assert (r.verdict, r.steps_compared, r.steps_only_in_a, r.steps_only_in_b) == ("match", 3, [4, 5], [])
+    assert (r.verdict, r.exit_code, r.steps_compared, r.steps_only_in_a, r.steps_only_in_b) == (
+        "incomplete", 1, 1, [2, 3], [])
+    p = bitdet_inproc(capsys, a, b)
+    assert p.returncode == 1 and "INCOMPLETE" in p.stdout and "MATCH" not in p.stdout
+    assert compare_runs(a, b, steps=[1]).verdict == "match"  # asked for step 1 only: compared in full
+    assert bitdet_inproc(capsys, a, b, "--steps", "1-2").returncode == 1  # step 2 is missing in B
+
+
+def test_no_step_in_common_is_unusable(tmp_path, capsys):
+    def shift(step, rank, line):
+        line["step"] = step + 10
+
+    a, b = write_run(tmp_path / "a", steps=3), write_run(tmp_path / "b", steps=3, edit=shift)
+    with pytest.raises(BitdetInputError, match="no step in common"):
+        compare_runs(a, b)
+    p = bitdet_inproc(capsys, a, b)
+    assert p.returncode == 2 and "no step in common" in p.stderr and "MATCH" not in p.stdout
 
 
 def test_metrics_filter(tmp_path):
@@ -237,6 +254,19 @@ def test_tensorboard_dirs(tmp_path, capsys):
     assert (div["details"][0]["ulp"], div["details"][0]["a"].split(":")[0]) == (1, "float32")
     assert compare_runs(a, same, metrics=["iteration-time"]).verdict == "match"  # hidden tags on request
     assert compare_runs(a, bumped, metrics=["iteration-time"]).first_divergence.step == 1
+
+
+def test_tensorboard_missing_last_steps_or_cut_record_is_not_a_match(tmp_path, capsys):
+    a = write_tensorboard(tmp_path / "a", steps=6)
+    short = write_tensorboard(tmp_path / "short", steps=4)  # a run killed after step 4
+    p = bitdet_inproc(capsys, a, short)
+    assert p.returncode == 1 and "INCOMPLETE" in p.stdout and "steps only in A: 5-6" in p.stdout
+    cut = write_tensorboard(tmp_path / "cut", steps=6)
+    (event_file,) = cut.glob("events.out.tfevents.*")
+    event_file.write_bytes(event_file.read_bytes()[:-7])  # killed in the middle of the last record
+    p = bitdet_inproc(capsys, a, cut)
+    assert p.returncode == 2 and f"{event_file}: truncated record" in p.stderr
+    assert bitdet_inproc(capsys, a, cut, "--allow-truncated").returncode == 1
 
 
 def test_missing_or_corrupt_manifest(tmp_path):

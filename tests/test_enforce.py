@@ -58,9 +58,7 @@ TRIGGERS = {
     "moe_router_fusion": (["model.moe.router_fusion=true"], {}),
     "moe_permute_fusion": (["model.moe.permute_fusion=true"], {}),
     "te_grouped_gemm": (["model.moe.expert_impl=te_grouped"], {}),
-    "triton_autotune": ([], {"versions": {"triton": "3.4.0"}, "env": {"BITDET_TRITON_AUTOTUNE": "auto"}}),
-    "torch_compile_max_autotune": (["training.torch_compile=max-autotune"], {}),
-    "fla_kernels": (["model.use_fla=true"], {}),
+    "torch_compile_max_autotune": ([], {"env": {"TORCHINDUCTOR_MAX_AUTOTUNE": "1"}}),
     "causal_conv1d_old": ([], {"versions": {"causal-conv1d": "1.5.0.post8"}}),
     "mamba_ssm_nondeterministic": ([], {"versions": {"mamba-ssm": "2.2.2"},
                                         "deterministic_support": {"mamba-ssm": False}}),
@@ -100,7 +98,6 @@ def test_rules_silent_on_the_tiny_recipe_with_good_gpu_stack():
                                     "deterministic_support": {"mamba-ssm": False}}),  # no Mamba layers
     (["model.spec=local"], {"env": {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1"},
                             "versions": {"transformer-engine": "2.8.0"}}),  # TE attention not used
-    ([], {"env": {"BITDET_TRITON_AUTOTUNE": "auto"}}),  # Triton absent
     ([], {"env": {"NCCL_ALGO": "^NVLS"}}),
     (["model.hybrid_pattern=M-ME", "model.attention_backend=flash"], {}),  # no attention layers
 ])
@@ -294,3 +291,26 @@ def test_cli_swaps_router_fusion_when_swaps_are_on():
     swapped = _bitdet("recipe", "validate", os.path.join(DATA, "router_fusion.yaml"), "determinism.swaps=true")
     assert swapped.returncode == 0, swapped.stderr
     assert "1 swapped" in swapped.stdout and "moe_aux_loss" in swapped.stdout
+
+
+def test_enable_installs_the_swaps_it_records(clean_env, torch_state):
+    """What enable() reports as swapped is installed (a Megatron-LM script gets it without bitdet train):
+    megatron's own call sites reach the deterministic variant, and the manifest lists the patch."""
+    from megatron.core.transformer.moe import moe_utils, router
+
+    from megatron_bitdet.kernels import moe_aux
+    from megatron_bitdet.patching import applied_patches, revert_patches
+
+    for name in ("TORCHINDUCTOR_MAX_AUTOTUNE", "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM"):
+        clean_env.setenv(name, "0")  # inductor may already be imported by an earlier test
+    before = {p["id"] for p in applied_patches()}
+    recipe = load_recipe(TINY, ["model.moe.router_fusion=true", "determinism.threads=1"])
+    try:
+        enforcement = enable(recipe)
+        assert [s["swap"] for s in enforcement.rules.swaps] == ["moe_aux_loss"]
+        assert router.switch_load_balancing_loss_func is moe_aux.switch_load_balancing_loss_func
+        assert moe_utils.reduce_aux_losses_tracker_across_ranks is moe_aux.reduce_aux_losses_tracker_across_ranks
+        assert [p["id"] for p in enforcement.patches] == ["moe_aux_loss"]
+        assert [p["id"] for p in build_manifest(recipe, enforcement, world_size=1)["patches"]] == ["moe_aux_loss"]
+    finally:
+        revert_patches([p["id"] for p in applied_patches() if p["id"] not in before])

@@ -150,9 +150,12 @@ def test_bad_traces_exit_2_naming_the_file(tmp_path):
     path.write_bytes(b'{"hello": 1}\n' + good.split(b"\n", 1)[1])  # foreign header
     proc = bitdet(tmp_path / "a", tmp_path / "b")
     assert proc.returncode == 2 and str(path) in proc.stderr and "foreign" in proc.stderr
-    path.write_bytes(good[:-10])  # truncated final record: a warning, not fatal
-    proc = bitdet(tmp_path / "a", tmp_path / "b", "--json")
-    assert proc.returncode == 0 and "truncated" in json.loads(proc.stdout)["warnings"][0]
+    for cut in (good[:-10], good[:len(good) // 2]):  # crashed while writing: at the end, in the middle
+        path.write_bytes(cut if not cut.endswith(b"\n") else cut[:-1])
+        proc = bitdet(tmp_path / "a", tmp_path / "b", "--json")
+        out = json.loads(proc.stdout)
+        assert proc.returncode == 2 and not out["mismatch"], proc.stderr  # no mismatch, yet not a match
+        assert "truncated record" in out["incomplete"][0] and "not a match" in proc.stderr
     path.unlink()
     proc = bitdet(tmp_path / "a", tmp_path / "b")
     assert proc.returncode == 2 and "rank_00000.trace.jsonl" in proc.stderr

@@ -36,7 +36,7 @@ def test_tiny_recipe_attributes_keep_yaml_names():
     r = load_recipe(TINY)
     assert (r.model.num_layers, r.model.mamba.state_dim, r.parallel.expert) == (6, 16, 2)
     assert r.model.moe.router_fusion is False and r.determinism.fill_uninitialized_memory is False
-    assert r.training.torch_compile == "none" and r.determinism.swaps is True
+    assert r.determinism.swaps is True
 
 
 def test_nemotron_shapes_from_upstream_notes():
@@ -58,7 +58,7 @@ def test_all_errors_reported_at_once(tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("name: bad\nmodel:\n  hybrid_pattern: 'M*X'\n  hidden_size: 64\n  ffn_hidden_size: abc\n"
                    "  num_attention_heads: 4\n  seq_length: 64\n  vocab_size: 256\n  spec: tee\n"
-                   "training:\n  seed: -1\n  torch_compile: max_autotune\n")
+                   "training:\n  seed: -1\n  lr_schedule: {style: cosin}\n")
     lines = _errors(str(bad))
     assert lines == [
         f"{bad}:3: model.hybrid_pattern: symbols ['X'] not supported; allowed: M (Mamba-2), * (attention), "
@@ -66,8 +66,8 @@ def test_all_errors_reported_at_once(tmp_path):
         f"{bad}:5: model.ffn_hidden_size: expected an integer, got 'abc'",
         f"{bad}:9: model.spec: 'tee' is not allowed; allowed: auto, local, te (did you mean te?)",
         f"{bad}:11: training.seed: -1 is out of range: must be >= 0",
-        f"{bad}:12: training.torch_compile: 'max_autotune' is not allowed; allowed: none, default, max-autotune "
-        "(did you mean max-autotune?)",
+        f"{bad}:12: training.lr_schedule.style: 'cosin' is not allowed; allowed: cosine, linear, constant "
+        "(did you mean cosine?)",
     ]
 
 
@@ -114,7 +114,7 @@ def test_overrides_are_parsed_as_yaml_and_validated():
         "<override 'model.hidden_size.x=1'>: model.hidden_size is 'abc', not a mapping",
         "<override 'model.hidden_size=abc'>: model.hidden_size: expected an integer, got 'abc'",
         "<override 'training.nope=1'>: training.nope: unknown key; allowed: iterations, micro_batch_size, "
-        "global_batch_size, seed, log_interval, torch_compile, optimizer, lr_schedule",
+        "global_batch_size, seed, log_interval, optimizer, lr_schedule",
     ]
 
 
@@ -165,3 +165,20 @@ def test_cli_show_and_typo_exit_codes():
     assert "Traceback" not in typo.stderr
     helped = _bitdet("recipe", "validate", "--help")
     assert helped.returncode == 0 and "examples:" in helped.stdout
+
+
+@pytest.mark.parametrize("command", ["recipe validate", "train"])
+@pytest.mark.parametrize("junk", [b"\xff\xfe", b"\x00", b"\xc3("])
+def test_non_utf8_or_unprintable_recipe_exits_2_naming_file_and_line(tmp_path, capsys, command, junk):
+    from megatron_bitdet.cli import main
+
+    text = open(TINY, "rb").read()
+    bad = tmp_path / "bad.yaml"
+    bad.write_bytes(text.replace(b"hidden_size: 64", b"hidden_size: 6" + junk + b"4", 1))
+    line = text[:text.index(b"hidden_size: 64")].count(b"\n") + 1
+    args = ["train", "--recipe", str(bad), "--nproc", "2", "--run-dir", str(tmp_path / "run")] \
+        if command == "train" else ["recipe", "validate", str(bad)]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{bad}:{line}: " in err and "Traceback" not in err
+    assert not (tmp_path / "run").exists()

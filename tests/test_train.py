@@ -73,6 +73,17 @@ def test_default_layout_ep2_alltoall_trains(reference_run):
     assert reference_run.manifest()["recipe"]["model"]["moe"]["dispatcher"] == "alltoall"
 
 
+def test_aux_loss_is_reduced_across_ranks(reference_run):
+    """The load-balancing losses go through megatron's tracker reduction (PP sum, DP average), whose
+    float sums the moe_aux_loss swap makes rank-ordered: every rank logs the same bits of the
+    DP-averaged loss, not its own share of the data's."""
+    assert reference_run.rc == 0
+    for a, b in zip(reference_run.steps(0), reference_run.steps(1), strict=True):
+        aux = {k: v for k, v in a["metrics"].items() if k.startswith("aux_loss")}
+        assert len(aux) == 3 and aux == {k: b["metrics"][k] for k in aux}  # total + the two MoE layers
+        assert a["metrics"]["loss"] == b["metrics"]["loss"]
+
+
 @pytest.fixture(scope="module")
 def twin_run(tmp_path_factory):
     return train(tmp_path_factory.mktemp("twin"), save_interval=1, snapshot_at=[RESUME_AT])

@@ -13,7 +13,9 @@ from megatron_bitdet.enforce.manifest import scope_diff
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_float, first_differing_bit, ulp_distance
 
-EXIT_CODES = {"match": 0, "diverged": 1, "unusable": 2}
+# "incomplete": the common steps agree, but a step (of the ones asked for) is missing from one run,
+# so the runs were not compared in full: never a match.
+EXIT_CODES = {"match": 0, "diverged": 1, "incomplete": 1, "unusable": 2}
 
 
 class ScopeMismatchError(BitdetInputError):
@@ -62,7 +64,7 @@ class StepSummary:
 
 @dataclass
 class CompareResult:
-    verdict: str  # "match" | "diverged" | "unusable"
+    verdict: str  # "match" | "diverged" | "incomplete" | "unusable"
     run_a: str
     run_b: str
     format: str = ""
@@ -75,6 +77,8 @@ class CompareResult:
     digests_compared: list[str] = field(default_factory=list)
     steps_only_in_a: list[int] = field(default_factory=list)
     steps_only_in_b: list[int] = field(default_factory=list)
+    steps_in_neither: list[int] = field(default_factory=list)  # asked for (``steps``) but in neither run
+    truncated: list[str] = field(default_factory=list)  # files read only up to a cut (--allow-truncated)
     diverged_steps: list[int] = field(default_factory=list)
     forced: bool = False
     warnings: list[str] = field(default_factory=list)
@@ -86,7 +90,7 @@ class CompareResult:
 
     @property
     def lengths_differ(self) -> bool:
-        return bool(self.steps_only_in_a or self.steps_only_in_b)
+        return bool(self.steps_only_in_a or self.steps_only_in_b or self.steps_in_neither)
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -99,8 +103,10 @@ class CompareResult:
 
 
 def compare_runs(run_a, run_b, *, force: bool = False, metrics=None, ranks=None,
-                 fmt: str = "auto", allow_truncated: bool = False) -> CompareResult:
-    """Compare two runs (run dirs or TensorBoard dirs); BitdetInputError if they can't be compared."""
+                 fmt: str = "auto", allow_truncated: bool = False, steps=None) -> CompareResult:
+    """Compare two runs (run dirs or TensorBoard dirs); BitdetInputError if they can't be compared.
+    ``steps``: compare only these steps (each must be in both runs); default: every step of either run.
+    A match needs every such step in both runs; otherwise the verdict is "incomplete"."""
     a = load_run(run_a, fmt, allow_truncated=allow_truncated)
     b = load_run(run_b, fmt, allow_truncated=allow_truncated)
     if a.format != b.format:
@@ -112,7 +118,10 @@ def compare_runs(run_a, run_b, *, force: bool = False, metrics=None, ranks=None,
     names = _select_names(a, b, result.ranks_compared, metrics)
     result.metrics_compared = [n for n in names if not n.startswith(DIGEST_PREFIX)]
     result.digests_compared = [n.removeprefix(DIGEST_PREFIX) for n in names if n.startswith(DIGEST_PREFIX)]
-    _compare_steps(a, b, names, result)
+    _compare_steps(a, b, names, result, None if steps is None else set(steps))
+    result.truncated = [str(f) for f in a.truncated + b.truncated]
+    if result.verdict == "match" and result.truncated:
+        result.verdict = "incomplete"  # what followed the cut was never compared
     return result
 
 
@@ -157,12 +166,15 @@ def _select_names(a: RunData, b: RunData, ranks: list[int], wanted) -> list[str]
     return list(dict.fromkeys(wanted))
 
 
-def _compare_steps(a: RunData, b: RunData, names: list[str], result: CompareResult) -> None:
+def _compare_steps(a: RunData, b: RunData, names: list[str], result: CompareResult, wanted: set | None) -> None:
     steps: dict[int, StepSummary] = {}
-    only_a, only_b = set(), set()
+    only_a, only_b, missing = set(), set(), set()
     first: dict[int, list[MetricDiff]] = {}
     for rank in result.ranks_compared:
         recs_a, recs_b = (_records_with(run.ranks[rank], names) for run in (a, b))
+        if wanted is not None:
+            missing |= wanted - (recs_a.keys() | recs_b.keys())
+            recs_a, recs_b = ({s: r for s, r in recs.items() if s in wanted} for recs in (recs_a, recs_b))
         only_a |= recs_a.keys() - recs_b.keys()
         only_b |= recs_b.keys() - recs_a.keys()
         for step in sorted(recs_a.keys() & recs_b.keys()):
@@ -175,8 +187,17 @@ def _compare_steps(a: RunData, b: RunData, names: list[str], result: CompareResu
                     first.setdefault(step, []).append(diff)
     result.per_step = [steps[s] for s in sorted(steps)]
     result.steps_compared = len(steps)
-    result.steps_only_in_a, result.steps_only_in_b = sorted(only_a), sorted(only_b)
     result.diverged_steps = sorted(first)
+    if not steps:
+        ranks = result.ranks_compared
+        raise BitdetInputError(f"no step in common: {a.path} has steps {_run_steps(a, ranks)}, "
+                               f"{b.path} has {_run_steps(b, ranks)}"
+                               + (f" (asked for {_span(sorted(wanted))})" if wanted is not None else "")
+                               + "; nothing was compared")
+    result.steps_only_in_a, result.steps_only_in_b = sorted(only_a), sorted(only_b)
+    result.steps_in_neither = sorted(missing)
+    if not first and result.lengths_differ:
+        result.verdict = "incomplete"
     if first:
         step = result.diverged_steps[0]
         details = first[step]
@@ -223,16 +244,24 @@ def _diff(rank: int, name: str, a: str | None, b: str | None) -> MetricDiff | No
     return d
 
 
-def parse_ranks(text: str) -> list[int]:
-    """'0,2,4-7' -> [0, 2, 4, 5, 6, 7]; BitdetInputError on anything else."""
+def _run_steps(run: RunData, ranks: list[int]) -> str:
+    return _span(sorted({r.step for rank in ranks for r in run.ranks[rank]}))
+
+
+def _span(steps: list[int]) -> str:
+    return "none" if not steps else f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+
+
+def parse_ranks(text: str, flag: str = "--ranks") -> list[int]:
+    """'0,2,4-7' -> [0, 2, 4, 5, 6, 7]; BitdetInputError (naming ``flag``) on anything else."""
     ranks: list[int] = []
     try:
         for part in filter(None, (p.strip() for p in text.split(","))):
             lo, _, hi = part.partition("-")
             ranks.extend(range(int(lo), int(hi or lo) + 1))
     except ValueError:
-        raise BitdetInputError(f"--ranks: expected e.g. '0,2,4-7', got {text!r}") from None
+        raise BitdetInputError(f"{flag}: expected e.g. '0,2,4-7', got {text!r}") from None
     if not ranks:
-        raise BitdetInputError(f"--ranks: no ranks in {text!r}")
+        raise BitdetInputError(f"{flag}: nothing in {text!r}")
     return ranks
 

@@ -45,6 +45,7 @@ class RunData:
     manifest: dict | None = None
     hidden: frozenset[str] = frozenset()  # names compared only when asked for by name
     warnings: list[str] = field(default_factory=list)
+    truncated: list[Path] = field(default_factory=list)  # files cut short, read up to the cut (--allow-truncated)
 
     def steps(self, rank: int) -> list[int]:
         return [r.step for r in self.ranks[rank]]
@@ -75,7 +76,7 @@ def load_run(path, fmt: str = "auto", *, allow_truncated: bool = False) -> RunDa
 
         if not path.is_dir():
             raise BitdetInputError(f"{path}: no such TensorBoard log directory")
-        return load_tensorboard(path)
+        return load_tensorboard(path, allow_truncated=allow_truncated)
     if kind != "bitdet":
         raise BitdetInputError(f"unknown run format {fmt!r} (expected auto, bitdet or tensorboard)")
     return _load_bitdet(path, allow_truncated)
@@ -94,7 +95,10 @@ def _load_bitdet(path: Path, allow_truncated: bool) -> RunData:
         raise BitdetInputError(f"{fp_dir}: no rank_XXXXX.jsonl fingerprint files")
     run = RunData(path=path, format="bitdet", ranks={}, files=files)
     for rank, f in files.items():
+        warned = len(run.warnings)
         run.ranks[rank] = read_rank_file(f, rank, allow_truncated=allow_truncated, warnings=run.warnings)
+        if len(run.warnings) > warned:
+            run.truncated.append(f)
     run.manifest = read_manifest(path / "manifest.json")
     return run
 

@@ -145,6 +145,10 @@ def _relaunch_both(specs, runs, level: str, steps: list[int], ranks) -> list[Pat
 def run_ladder(run_a, run_b, config: LadderConfig = LadderConfig()) -> LadderResult:
     """Fingerprints → first divergent step → traced re-runs, one level per rung → culprit."""
     cmp = compare_runs(run_a, run_b)
+    if cmp.verdict == "incomplete":
+        raise BitdetInputError(f"{run_a} and {run_b}: the {cmp.steps_compared} common steps match, but steps "
+                               f"{cmp.steps_only_in_a or cmp.steps_only_in_b} are in one run only (a run stopped "
+                               "early?): nothing to localize, and not a match")
     result = LadderResult(str(run_a), str(run_b), diverged=cmp.verdict == "diverged")
     if not result.diverged:
         result.note = f"fingerprints match over {cmp.steps_compared} steps: nothing to localize"

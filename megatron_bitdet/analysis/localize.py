@@ -57,6 +57,7 @@ class RankFinding:
     outputs: dict = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     ignored: int = 0                  # differing records that carry no divergence (see _ignorable)
+    incomplete: str = ""              # why the rank was not compared to the end (a truncated trace)
 
 
 @dataclass
@@ -71,8 +72,18 @@ class LocalizeResult:
     def mismatch(self) -> bool:
         return any(f.classification != MATCH for f in self.per_rank)
 
+    @property
+    def incomplete(self) -> list[str]:
+        """Ranks whose traces were cut before their end: no mismatch there is not a match."""
+        return [f"rank {f.rank}: {f.incomplete}" for f in self.per_rank if f.incomplete]
+
+    @property
+    def exit_code(self) -> int:
+        """1 a mismatch; 2 no mismatch but a trace cut short (nothing after the cut was compared); 0 match."""
+        return 1 if self.mismatch else 2 if self.incomplete else 0
+
     def to_json(self) -> dict:
-        return {"mismatch": self.mismatch, "ranks_compared": self.ranks_compared,
+        return {"mismatch": self.mismatch, "incomplete": self.incomplete, "ranks_compared": self.ranks_compared,
                 "events_compared": self.events_compared,
                 "per_rank": [asdict(f) for f in self.per_rank if f.classification != MATCH],
                 "culprit": self.culprit, "warnings": self.warnings}
@@ -254,6 +265,8 @@ def compare_rank(job: tuple) -> RankFinding:
     for t in (ta, tb):
         if getattr(t, "truncated", False):
             f.warnings.append(f"{t.path}: truncated final record ignored")
+            f.incomplete = (f"{t.path} ends in a truncated record (a crashed or cut run): events after "
+                            f"event {f.events} were not compared")
     if (rest_a or rest_b) and not f.warnings:
         longer = ta if rest_a else tb
         f.classification = CONTROL

@@ -151,8 +151,8 @@ def _render(result: ProveResult, run_a: Path, run_b: Path) -> Path:
     runs = [RunSpec("run A", str(run_a)), RunSpec("run B", str(run_b))]
     runs += [RunSpec(f"resumed at {p.step}", p.run_dir, (p.step,)) for p in segments]
     compares = {"run A vs run B": result.compare}
-    compares.update({f"run A vs resumed at {p.step} (steps {p.step + 1}-{p.stop})": compare_runs(run_a, p.run_dir)
-                     for p in segments})
+    compares.update({f"run A vs resumed at {p.step} (steps {p.step + 1}-{p.stop})": compare_runs(
+        run_a, p.run_dir, steps=range(p.step + 1, p.stop + 1)) for p in segments})
     sections = [Section("Resume validation", result.resume.summary())]
     if result.tax:
         sections.append(Section("Determinism tax: how it was measured", result.tax.summary() + "\n" +

@@ -285,10 +285,10 @@ def run_chain(segment, *, name: str, steps: list[int], iterations: int, nproc: i
 
 def _compare_outputs(reference_dir: Path, run_dir: Path, point: ResumePoint) -> None:
     """Fingerprints of the segment's own steps against the same steps of the reference."""
-    result = compare_runs(reference_dir, run_dir)
     expected = list(range(point.step + 1, point.stop + 1))
+    result = compare_runs(reference_dir, run_dir, steps=expected)
     point.steps_compared = [s.step for s in result.per_step]
-    if point.steps_compared != expected or result.steps_only_in_b:
+    if point.steps_compared != expected or result.lengths_differ:
         raise BitdetError(f"{run_dir}: segment fingerprints cover steps {_span(point.steps_compared)} "
                           f"(+{result.steps_only_in_b} not in the reference), expected {_span(expected)}")
     if result.first_divergence is not None:

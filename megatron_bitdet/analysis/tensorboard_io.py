@@ -8,6 +8,7 @@ duplicates (same values, another x axis) are left out unless asked for by name.
 from __future__ import annotations
 
 import fnmatch
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -29,16 +30,46 @@ class TensorBoardConfig:
     )
 
 
-def load_tensorboard(path: Path, config: TensorBoardConfig = TensorBoardConfig()) -> RunData:
-    """All scalars of one log dir, per step, each encoded as float32; by-nature-variable tags hidden."""
+def truncated_at(event_file: Path) -> int | None:
+    """Byte offset of a record cut short (a writer killed mid-record), else None. TFRecord framing:
+    u64 length, u32 length CRC, data, u32 data CRC; TensorBoard's reader stops there silently."""
+    data = event_file.read_bytes()
+    pos = 0
+    while pos < len(data):
+        if pos + 12 > len(data):
+            return pos
+        (length,) = struct.unpack_from("<Q", data, pos)
+        if pos + 12 + length + 4 > len(data):
+            return pos
+        pos += 12 + length + 4
+    return None
+
+
+def load_tensorboard(path: Path, config: TensorBoardConfig = TensorBoardConfig(), *,
+                     allow_truncated: bool = False) -> RunData:
+    """All scalars of one log dir, per step, each encoded as float32; by-nature-variable tags hidden.
+    An event file whose last record is cut short is unusable input unless ``allow_truncated``."""
     try:
         from tensorboard.backend.event_processing import event_accumulator
     except ImportError:
         raise BitdetInputError(
             "reading TensorBoard logs needs the 'tensorboard' package: pip install tensorboard"
         ) from None
+    warnings, truncated = [], []
+    for event_file in sorted(path.glob("events.out.tfevents.*")):
+        offset = truncated_at(event_file)
+        if offset is None:
+            continue
+        message = f"{event_file}: truncated record at byte {offset} (the writer stopped mid-record)"
+        if not allow_truncated:
+            raise BitdetInputError(f"{message}; pass --allow-truncated to compare the steps before it")
+        warnings.append(f"{message}: ignored (--allow-truncated)")
+        truncated.append(event_file)
     acc = event_accumulator.EventAccumulator(str(path), size_guidance={event_accumulator.SCALARS: 0})
-    acc.Reload()
+    try:
+        acc.Reload()
+    except Exception as exc:  # tensorboard's own parser: any failure on these bytes is bad input
+        raise BitdetInputError(f"{path}: unreadable TensorBoard event files: {type(exc).__name__}: {exc}") from None
     tags = acc.Tags().get("scalars", [])
     if not tags:
         raise BitdetInputError(f"{path}: no scalars in the TensorBoard event files (or none found)")
@@ -52,7 +83,7 @@ def load_tensorboard(path: Path, config: TensorBoardConfig = TensorBoardConfig()
     return RunData(
         path=path, format="tensorboard", ranks={TENSORBOARD_RANK: records},
         files={TENSORBOARD_RANK: files[-1] if files else path},
-        hidden=frozenset(t for t in tags if _excluded(t, config)),
+        hidden=frozenset(t for t in tags if _excluded(t, config)), warnings=warnings, truncated=truncated,
     )
 
 

@@ -1,4 +1,4 @@
-"""`bitdet compare RUN_A RUN_B`: exit 0 bitwise match, 1 diverged, 2 unusable input."""
+"""`bitdet compare RUN_A RUN_B`: exit 0 bitwise match, 1 diverged or incomplete, 2 unusable input."""
 from __future__ import annotations
 
 import json
@@ -11,9 +11,10 @@ from megatron_bitdet.errors import BitdetInputError
 def register(subparsers, summary: str) -> None:
     p = subparsers.add_parser(
         "compare", help=summary, description=summary + ".",
-        epilog="A truncated final line (a crash mid-write) is unusable input (exit 2) unless "
-               "--allow-truncated, which compares the steps before it. Steps present in one run "
-               "only are reported; the common steps are compared.",
+        epilog="Exit 0: every step of both runs (or of --steps) compared, bit for bit equal; 1: diverged, "
+               "or incomplete (a step is in one run only: the runs were not compared in full); 2: unusable "
+               "input, including no step in common. A truncated final line (a crash mid-write) is unusable "
+               "unless --allow-truncated, which compares the steps before it (then incomplete at best).",
     )
     p.add_argument("run_a", metavar="RUN_A", help="run directory (with fingerprints/) or TensorBoard log dir")
     p.add_argument("run_b", metavar="RUN_B")
@@ -22,6 +23,7 @@ def register(subparsers, summary: str) -> None:
     p.add_argument("--metrics", type=lambda s: [m.strip() for m in s.split(",") if m.strip()],
                    help="comma-separated metric names (digests as digest:<name>); default: all")
     p.add_argument("--ranks", type=str, help="ranks to compare, e.g. 0,2,4-7; default: all")
+    p.add_argument("--steps", type=str, help="steps to compare, e.g. 3-8 (each must be in both runs); default: all")
     p.add_argument("--format", dest="fmt", choices=("auto", "bitdet", "tensorboard"), default="auto")
     p.add_argument("--allow-truncated", action="store_true",
                    help="ignore a truncated final line instead of refusing the file")
@@ -34,6 +36,7 @@ def run(args) -> int:
         result = compare_runs(
             args.run_a, args.run_b, force=args.force, metrics=args.metrics, fmt=args.fmt,
             ranks=parse_ranks(args.ranks) if args.ranks else None, allow_truncated=args.allow_truncated,
+            steps=parse_ranks(args.steps, "--steps") if args.steps else None,
         )
     except BitdetInputError as exc:
         if not args.json:
@@ -53,7 +56,10 @@ def format_result(result: CompareResult, max_details: int = 20) -> str:
             f"{len(result.metrics_compared)} metrics + {len(result.digests_compared)} digests")
     lines = []
     div = result.first_divergence
-    if div is None:
+    if div is None and result.verdict == "incomplete":
+        why = "the runs differ in length" if result.lengths_differ else f"{', '.join(result.truncated)} cut short"
+        lines.append(f"INCOMPLETE: {what} bit for bit equal, but {why}: not a match")
+    elif div is None:
         lines.append(f"MATCH: {what}, bit for bit")
     else:
         later = [s for s in result.diverged_steps if s > div.step]
@@ -70,7 +76,9 @@ def format_result(result: CompareResult, max_details: int = 20) -> str:
                      + (f" (last: step {later[-1]})" if later else "") + _max_ulps(result))
     if result.lengths_differ:
         lines.append(f"lengths differ: steps only in A: {_ranges(result.steps_only_in_a) or 'none'}; "
-                     f"only in B: {_ranges(result.steps_only_in_b) or 'none'} (compared the common steps)")
+                     f"only in B: {_ranges(result.steps_only_in_b) or 'none'}"
+                     + (f"; in neither: {_ranges(result.steps_in_neither)}" if result.steps_in_neither else "")
+                     + " (compared the common steps)")
     return "\n".join(lines)
 
 

@@ -47,8 +47,8 @@ def _print_table(result) -> None:
     ignored = sum(f.ignored for f in result.per_rank)
     note = f" ({ignored} differing records ignored: no effect on outputs, or uninitialized memory)" if ignored else ""
     if not bad:
-        console.print(f"[green]no mismatch[/] in {result.events_compared} events over {result.ranks_compared} ranks"
-                      + note)
+        head = "[red]INCOMPLETE[/]: no mismatch" if result.incomplete else "[green]no mismatch[/]"
+        console.print(f"{head} in {result.events_compared} events over {result.ranks_compared} ranks" + note)
     else:
         table = Table(title=f"first mismatch per rank ({len(bad)} of {result.ranks_compared} ranks)")
         for col in ("rank", "step", "phase", "module", "op", "classification", "detail"):
@@ -102,4 +102,7 @@ def run(args) -> int:
         sys.stdout.write("\n")
     else:
         _print_table(result)
-    return 1 if result.mismatch else 0
+    if result.incomplete and not result.mismatch:
+        print("bitdet localize: error: no mismatch in what was compared, but not a match:\n  "
+              + "\n  ".join(result.incomplete), file=sys.stderr)
+    return result.exit_code

@@ -18,10 +18,17 @@ run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, checkpoints/iter_N/
                traces/rank_XXXXX.trace.jsonl (with --trace)"""
 
 
+def _default_nproc() -> int:
+    from megatron_bitdet.train.launch import under_torchrun
+
+    return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2
+
+
 def add_run_args(p, *, recipe_required: bool = True) -> None:
     """Arguments shared by every command that trains (train, verify-resume, prove, tax)."""
     p.add_argument("--recipe", required=recipe_required, metavar="RECIPE", help="a shipped recipe's name (e.g. nemotron_h_tiny) or a recipe YAML file")
-    p.add_argument("--nproc", type=int, default=2, help="ranks on this machine (default 2)")
+    p.add_argument("--nproc", type=int, default=_default_nproc(),
+                   help="ranks on this machine (default 2; under torchrun its WORLD_SIZE)")
     p.add_argument("--deterministic-mode", action="store_true",
                    help="force determinism.mode=true (the recipe's default); determinism.mode=false runs the baseline")
     p.add_argument("--model-provider", metavar="MODULE:FUNC",
@@ -162,9 +169,10 @@ def run(args) -> int:
         sys.path.insert(0, os.getcwd())
         load_model_provider(args.model_provider)  # fail here, before any rank starts
     if args.load:
-        from megatron_bitdet.train.checkpoint import resolve_checkpoint
+        from megatron_bitdet.train.checkpoint import resolve_checkpoint, verify_checkpoint
 
-        resolve_checkpoint(args.load)  # an incomplete or foreign checkpoint is refused before any rank starts
+        # an incomplete, foreign or corrupt checkpoint is refused before any rank starts
+        verify_checkpoint(resolve_checkpoint(args.load))
     return launch_training(
         recipe, nproc=args.nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval,
         load=args.load, model_provider=args.model_provider, stop_at=args.stop_at, argv=sys.argv, trace=trace,

@@ -21,6 +21,7 @@ class Enforcement:
     torch: dict = field(default_factory=dict)
     threads: int = 0
     warnings: list = field(default_factory=list)
+    patches: list = field(default_factory=list)  # records of the patches installed for rules.swaps
 
 
 def plan(recipe, environ=None, available_swaps=None, *, late=True):
@@ -58,10 +59,22 @@ def _apply_torch(recipe) -> dict:
             "fill_uninitialized_memory": recipe.determinism.fill_uninitialized_memory}
 
 
+def _install_swaps(swaps) -> list:
+    """A rule reported as swapped has its deterministic variant installed, here, for any caller (a
+    Megatron-LM script included), after the environment is set (the targets import mamba_ssm etc.)."""
+    if not swaps:
+        return []
+    from megatron_bitdet import cpu_backend, patching
+
+    cpu_backend.install()  # no-op on a GPU; on CPU some target modules import GPU-only packages
+    return patching.install(patching.swap_patches(swaps))
+
+
 def enable(recipe, *, rank: int = 0, world_size: int = 1, strict: bool = True,
            available_swaps=None) -> Enforcement:
     """Apply --deterministic-mode for ``recipe`` in this process (call before CUDA, process groups, TE and
-    model build). strict: raise DeterminismViolation listing every violation; else keep them as warnings.
+    model build): env, torch flags, and the patches behind every swap the rules resolved.
+    strict: raise DeterminismViolation listing every violation; else keep them as warnings.
     ``rank``/``world_size`` only label warnings; each rank enforces for itself."""
     import torch
 
@@ -76,7 +89,8 @@ def enable(recipe, *, rank: int = 0, world_size: int = 1, strict: bool = True,
         if setting.source in ("recipe", "default"):
             os.environ[name] = setting.value
     flags = _apply_torch(recipe)
+    patches = _install_swaps(outcome.swaps)
     if world_size > 1:
         warnings = [f"rank {rank}: {w}" for w in warnings]
     return Enforcement(mode=True, env=settings, rules=outcome, torch=flags,
-                       threads=torch.get_num_threads(), warnings=warnings)
+                       threads=torch.get_num_threads(), warnings=warnings, patches=patches)

@@ -63,9 +63,6 @@ ENV_TABLE = (
            "mamba_ssm", "mamba-ssm Triton kernels: pinned autotune config, ordered workspace sums"),
     EnvVar("CAUSAL_CONV1D_DETERMINISTIC", "1", lambda v: v.startswith("1"), "a value starting with 1",
            "causal_conv1d", "causal_conv1d >= 1.6 backward: per-block workspace instead of atomics"),
-    EnvVar("BITDET_TRITON_AUTOTUNE", "pinned", _one_of("pinned", "auto"), "pinned",
-           "bitdet_kernels", "bitdet's Triton kernels use one fixed config (tl.cumsum bits vary with block size)",
-           governed_by="triton_autotune"),
     EnvVar("TORCHINDUCTOR_MAX_AUTOTUNE", "0", _one_of("0", "1"), "0", "inductor",
            "inductor max-autotune benchmarks kernels at run time and may pick a different one each run",
            governed_by="torch_compile_max_autotune"),
@@ -87,6 +84,10 @@ ENV_TABLE = (
            "recorded: changes kernel/communication overlap scheduling in megatron"),
 )
 ENV_BY_NAME = {v.name: v for v in ENV_TABLE}
+# Tests and benchmarks only: route reductions over an emulated physical ring chosen by this seed
+# (kernels/reductions.py), standing in for the ring another allocation would get. Part of the
+# run's placement, not of its environment scope.
+EMULATED_RING_ENV = "BITDET_EMULATED_RING"
 
 
 @dataclass(frozen=True)

@@ -6,9 +6,10 @@ import datetime
 import json
 import os
 import platform
+import socket
 import sys
 
-from megatron_bitdet.enforce.env import ENV_TABLE
+from megatron_bitdet.enforce.env import EMULATED_RING_ENV, ENV_TABLE
 from megatron_bitdet.enforce.facts import package_versions
 from megatron_bitdet.errors import BitdetInputError
 
@@ -38,7 +39,25 @@ def _device_scope() -> dict:
     return scope
 
 
-def build_scope(recipe, *, world_size: int, threads: int) -> dict:
+def gather_placement() -> dict:
+    """Where every rank runs (host per rank, node count, the emulated ring if any): one
+    all_gather_object at setup, before any traced or timed step."""
+    import torch.distributed as dist
+
+    me = {"host": socket.gethostname(), "local_rank": int(os.environ.get("LOCAL_RANK", 0))}
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, me)
+    return {"ranks": ranks, "nodes": sorted({r["host"] for r in ranks}),
+            "emulated_ring": os.environ.get(EMULATED_RING_ENV)}
+
+
+def placement_in_scope(recipe) -> bool:
+    """Placement (hosts, ring) is outside the validation scope only with topology-invariant
+    reductions: otherwise another allocation may reduce in another order."""
+    return recipe.determinism.reductions != "topology_invariant"
+
+
+def build_scope(recipe, *, world_size: int, threads: int, placement: dict | None = None) -> dict:
     """The flat validation scope for this process, recipe and world size."""
     p = recipe.parallel
     model_parallel = p.tensor * p.pipeline * p.context
@@ -53,10 +72,13 @@ def build_scope(recipe, *, world_size: int, threads: int) -> dict:
         "deterministic_mode": recipe.determinism.mode, "recipe_digest": recipe.digest(),
         "seed": recipe.training.seed,
     })
+    if placement is not None and placement_in_scope(recipe):
+        scope["placement"] = json.dumps({"hosts": [r["host"] for r in placement["ranks"]],
+                                         "emulated_ring": placement["emulated_ring"]})
     return scope
 
 
-def build_manifest(recipe, enforcement, *, world_size: int, argv=None, extra=None) -> dict:
+def build_manifest(recipe, enforcement, *, world_size: int, argv=None, extra=None, placement=None) -> dict:
     """The manifest dict (DESIGN.md keys); ``extra`` (e.g. {'patches': [...]}) is merged on top."""
     from megatron_bitdet import __version__
 
@@ -65,10 +87,11 @@ def build_manifest(recipe, enforcement, *, world_size: int, argv=None, extra=Non
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "recipe": recipe.to_dict(),
         "recipe_digest": recipe.digest(),
-        "scope": build_scope(recipe, world_size=world_size, threads=enforcement.threads),
+        "scope": build_scope(recipe, world_size=world_size, threads=enforcement.threads, placement=placement),
+        "placement": placement,
         "env": {name: {"value": s.value, "source": s.source} for name, s in enforcement.env.items()},
         "rules": enforcement.rules.as_manifest(),
-        "patches": [],
+        "patches": list(enforcement.patches),
         "warnings": list(enforcement.warnings),
         "argv": list(sys.argv if argv is None else argv),
     }

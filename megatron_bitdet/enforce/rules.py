@@ -76,24 +76,12 @@ RULES = (
          "with a float atomic add",
          "set model.moe.expert_impl: grouped (bitdet private-slot grouped GEMM) or sequential",
          swap="grouped_gemm_dprob"),
-    Rule("triton_autotune",
-         lambda r, f: _flag(f.has("triton") and f.env.get("BITDET_TRITON_AUTOTUNE") != "pinned",
-                            f"BITDET_TRITON_AUTOTUNE={f.env.get('BITDET_TRITON_AUTOTUNE')!r} with Triton installed"),
-         "runtime autotuning picks kernel configs by timing; block sizes change tl.cumsum / reduction bits, "
-         "so runs differ from the very first step",
-         "unset BITDET_TRITON_AUTOTUNE (default 'pinned') or export BITDET_TRITON_AUTOTUNE=pinned"),
     Rule("torch_compile_max_autotune",
-         lambda r, f: _flag(r.training.torch_compile == "max-autotune"
-                            or "1" in (f.env.get("TORCHINDUCTOR_MAX_AUTOTUNE"), f.env.get("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM")),
-                            "torch.compile max-autotune requested (training.torch_compile or TORCHINDUCTOR_MAX_AUTOTUNE*)"),
+         lambda r, f: _flag("1" in (f.env.get("TORCHINDUCTOR_MAX_AUTOTUNE"), f.env.get("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM")),
+                            "torch.compile max-autotune requested (TORCHINDUCTOR_MAX_AUTOTUNE*=1)"),
          "inductor max-autotune benchmarks candidate kernels at run time and keeps the fastest, which differs "
          "between runs",
-         "set training.torch_compile: none or default, and TORCHINDUCTOR_MAX_AUTOTUNE(_GEMM)=0"),
-    Rule("fla_kernels",
-         lambda r, f: _flag(r.model.use_fla, "model.use_fla is true"),
-         "FLA's chunked gated-delta-rule Triton kernels are autotuned and accumulate with atomics; megatron's "
-         "deterministic branch is the torch gated-delta-rule",
-         "set model.use_fla: false (megatron-core uses torch_chunk_gated_delta_rule under deterministic_mode)"),
+         "export TORCHINDUCTOR_MAX_AUTOTUNE=0 and TORCHINDUCTOR_MAX_AUTOTUNE_GEMM=0 (or unset them)"),
     Rule("causal_conv1d_old",
          lambda r, f: _flag(r.model.has("M") and f.has("causal-conv1d")
                             and version_tuple(f.versions["causal-conv1d"]) < (1, 6),

@@ -35,6 +35,6 @@ __all__ = [
     "split_symbol",
 ]
 
-from megatron_bitdet.patching.select import apply_for, declared_ids, select_patches  # noqa: E402
+from megatron_bitdet.patching.select import apply_for, declared_ids, install, select_patches, swap_patches  # noqa: E402
 
-__all__ += ["apply_for", "declared_ids", "select_patches"]
+__all__ += ["apply_for", "declared_ids", "install", "select_patches", "swap_patches"]

@@ -12,26 +12,37 @@ def declared_ids() -> frozenset:
     return frozenset(d.id for d in load_declarations())
 
 
+def swap_patches(swaps) -> list[str]:
+    """Every declared patch serving a rule the enforcement resolved with a swap (``swaps``: dicts with
+    "id"); a rule may need several (mamba_ssm_nondeterministic: the scan and the gated norm)."""
+    rules = {s["id"] for s in swaps}
+    return [d.id for d in load_declarations() if d.rule in rules]
+
+
 def select_patches(recipe, *, family: str, swaps=()) -> list[str]:
-    """Patch ids for this recipe. ``swaps`` are the rule outcome's resolved swaps (dicts with "swap")."""
+    """Patch ids for this recipe. ``swaps`` are the rule outcome's resolved swaps (dicts with "id")."""
     ids = ["local_final_norm"] if family == "local" else []
     if recipe.model.has("M") and family == "local":
         ids += SSM_PATCHES  # the local spec's Mamba kernels are ours, in both modes
+    if recipe.model.has("M") and family != "local" and recipe.determinism.mode:
+        ids.append("gated_rmsnorm")  # mamba_ssm's Triton norm sums dw over a device-dependent block count
     if recipe.model.has("E") and recipe.determinism.mode:
         ids.append("moe_aux_loss")
     if recipe.model.has("E") and recipe.model.moe.expert_impl == "grouped":
         ids.append("grouped_gemm_dprob")
-    for s in swaps:
-        if s["swap"] not in ids:
-            ids.append(s["swap"])
+    ids += [i for i in swap_patches(swaps) if i not in ids]
     return ids
+
+
+def install(ids) -> list[dict]:
+    """Apply the patches ``ids`` not applied yet (idempotent); returns the records of all of ``ids``."""
+    have = {p["id"] for p in applied_patches()}
+    missing = [i for i in ids if i not in have]
+    if missing:
+        apply_patches(load_declarations(ids=missing))
+    return [p for p in applied_patches() if p["id"] in ids]
 
 
 def apply_for(recipe, *, family: str, swaps=()) -> list[dict]:
     """Apply the recipe's patches once per process (idempotent); returns the manifest records."""
-    wanted = select_patches(recipe, family=family, swaps=swaps)
-    have = {p["id"] for p in applied_patches()}
-    missing = [i for i in wanted if i not in have]
-    if missing:
-        apply_patches(load_declarations(ids=missing))
-    return [p for p in applied_patches() if p["id"] in wanted]
+    return install(select_patches(recipe, family=family, swaps=swaps))

@@ -61,11 +61,21 @@ def _walk(node, path: Path, source: str, locs: Locations, issues: list):
 def read_yaml(path: str):
     """(data, locations) of one YAML file; syntax or key errors raise RecipeError naming file:line."""
     try:
-        with open(path, encoding="utf-8") as fh:
-            text = fh.read()
+        with open(path, "rb") as fh:
+            raw = fh.read()
     except OSError as exc:
         raise BitdetInputError(f"{path}: cannot read recipe: {exc.strerror or exc}") from None
-    loader = yaml.SafeLoader(text)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = raw.count(b"\n", 0, exc.start) + 1
+        raise RecipeError([f"{path}:{line}: not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}); "
+                           "a recipe is a UTF-8 YAML file"]) from None
+    try:
+        loader = yaml.SafeLoader(text)  # checks every character is printable: may raise already
+    except yaml.reader.ReaderError as exc:
+        line = text.count("\n", 0, exc.position) + 1
+        raise RecipeError([f"{path}:{line}: invalid YAML: character #x{exc.character:04x} is not allowed"]) from None
     try:
         node = loader.get_single_node()
         data = loader.construct_document(node) if node is not None else {}

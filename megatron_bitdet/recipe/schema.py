@@ -80,7 +80,6 @@ class ModelConfig:
     attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
     mtp_num_layers: int = bounded(0, ge=0)
     cross_entropy_loss_fusion: bool = False
-    use_fla: bool = False  # FLA kernels for gated-delta-net linear attention (GDN, pattern G in mcore >= 0.17)
     mamba: MambaConfig = field(default_factory=MambaConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
 
@@ -145,7 +144,6 @@ class TrainingConfig:
     global_batch_size: int = bounded(1, ge=1)
     seed: int = bounded(1234, ge=0)
     log_interval: int = bounded(1, ge=1)
-    torch_compile: Literal["none", "default", "max-autotune"] = "none"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LRScheduleConfig = field(default_factory=LRScheduleConfig)
 
@@ -183,6 +181,9 @@ class DeterminismConfig:
     env: dict[str, str] = field(default_factory=dict)
     opt_out: tuple[str, ...] = ()
     swaps: bool = True  # let registered deterministic variants replace refused features
+    # native: c10d's reductions (bits follow the ring/tree the library and allocation pick);
+    # topology_invariant: exact shard movement + rank-order sums (bits follow the logical layout only)
+    reductions: Literal["native", "topology_invariant"] = "native"
 
 
 @dataclass(frozen=True)

@@ -174,7 +174,8 @@ def _targets():
 @contextmanager
 def swap_collectives(wrap, names):
     """Replace the c10d functions ``names`` by ``wrap(name, fn)`` wherever they are bound —
-    torch.distributed, c10d and megatron's import-time aliases — and restore them on exit."""
+    torch.distributed, c10d and megatron's import-time aliases — and restore them on exit.
+    Yields the swapped bindings as ``"module:attr"`` strings."""
     wrappers = {id(f): wrap(n, f) for n in names if (f := getattr(c10d, n, None)) is not None}
     swapped = []
     for mod in _targets():
@@ -184,7 +185,7 @@ def swap_collectives(wrap, names):
                 setattr(mod, attr, w)
                 swapped.append((mod, attr, val))
     try:
-        yield
+        yield [f"{mod.__name__}:{attr}" for mod, attr, _ in swapped]
     finally:
         for mod, attr, val in swapped:
             setattr(mod, attr, val)

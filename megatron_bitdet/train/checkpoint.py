@@ -126,8 +126,8 @@ def save_checkpoint(root, iteration: int, *, ddp_modules, optimizer, scheduler, 
     dist.barrier()
     if rank == 0:
         meta = {"iteration": iteration, "world_size": world, "files": _file_digests(tmp), "manifest": manifest}
-        with open(tmp / META, "w") as f:
-            json.dump(meta, f, indent=1, sort_keys=True)
+        with open(tmp / META, "wb") as f:
+            f.write(_meta_bytes(meta))
             f.flush()
             os.fsync(f.fileno())
         if final.exists():
@@ -144,8 +144,8 @@ def resolve_checkpoint(path) -> Path:
     """``path`` is a checkpoints root (use ``latest``) or one ``iter_N`` directory; verify it is complete."""
     path = Path(path)
     if (path / LATEST).is_file():
-        text = (path / LATEST).read_text().strip()
-        if not text.isdigit():
+        text = (path / LATEST).read_bytes().decode("utf-8", errors="replace").strip()
+        if not text.isdigit() or not text.isascii():
             raise BitdetInputError(f"{path / LATEST}: expected an iteration number, found {text[:40]!r}")
         path = iter_dir(path, int(text))
     if not (path / META).is_file():
@@ -156,19 +156,53 @@ def resolve_checkpoint(path) -> Path:
     return path
 
 
-def verify_checkpoint(path: Path) -> dict:
-    """Check every file against the digests recorded at save; return the metadata."""
+def _meta_digest(meta: dict) -> str:
+    body = {k: v for k, v in meta.items() if k != "digest"}
+    return "xxh3_128:" + xxhash.xxh3_128_hexdigest(json.dumps(body, indent=1, sort_keys=True).encode())
+
+
+def _meta_bytes(meta: dict) -> bytes:
+    """The canonical bytes of bitdet_meta.json, carrying a digest of its own content: a changed byte
+    anywhere (in a digest, the manifest or the layout) is refused, not trusted."""
+    return json.dumps({**meta, "digest": _meta_digest(meta)}, indent=1, sort_keys=True).encode()
+
+
+def read_meta(path: Path) -> dict:
+    """``path/bitdet_meta.json``, exactly as saved; BitdetInputError naming the file otherwise."""
+    where = path / META
     try:
-        meta = json.loads((path / META).read_text())
-    except (OSError, json.JSONDecodeError) as exc:
-        raise BitdetInputError(f"{path / META}: unreadable checkpoint metadata: {exc}") from exc
+        raw = where.read_bytes()
+        meta = json.loads(raw.decode("utf-8"))
+    except OSError as exc:
+        raise BitdetInputError(f"{where}: unreadable checkpoint metadata: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise BitdetInputError(f"{where}: corrupt checkpoint metadata (not UTF-8 at byte {exc.start})") from None
+    except json.JSONDecodeError as exc:
+        raise BitdetInputError(f"{where}:{exc.lineno}: corrupt checkpoint metadata (not JSON: {exc.msg})") from None
+    files = meta.get("files") if isinstance(meta, dict) else None
+    if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
+        raise BitdetInputError(f"{where}: corrupt checkpoint metadata (no 'files' digest table)")
+    for key in ("iteration", "world_size"):
+        if not isinstance(meta.get(key), int) or isinstance(meta.get(key), bool):
+            raise BitdetInputError(f"{where}: corrupt checkpoint metadata ({key!r} is not an integer)")
+    if meta.get("digest") != _meta_digest(meta) or raw != _meta_bytes(meta):
+        raise BitdetInputError(f"{where}: corrupt checkpoint metadata (its content does not match its digest, "
+                               "or it was rewritten: the file is not as saved)")
+    return meta
+
+
+def verify_checkpoint(path: Path) -> dict:
+    """Check the metadata and every file against the digests recorded at save; return the metadata."""
+    meta = read_meta(path)
     actual = _file_digests(path)
-    expected = meta.get("files", {})
+    expected = meta["files"]
     missing = sorted(set(expected) - set(actual))
+    extra = sorted(set(actual) - set(expected))
     changed = sorted(k for k in expected if k in actual and actual[k] != expected[k])
-    if missing or changed:
+    if missing or changed or extra:
         parts = [f"missing: {', '.join(missing)}"] if missing else []
         parts += [f"digest mismatch: {', '.join(changed)}"] if changed else []
+        parts += [f"not saved with it: {', '.join(extra)}"] if extra else []
         raise BitdetInputError(f"{path}: checkpoint is corrupt ({'; '.join(parts)})")
     return meta
 

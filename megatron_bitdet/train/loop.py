@@ -32,6 +32,28 @@ def _forward_step(data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"])
 
 
+# recipe model.moe.load_balancing -> the name megatron's router logs the loss under
+_TRACKER_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss",
+                  "global_aux_loss": "global_load_balancing_loss"}
+
+
+def _moe_aux_losses(recipe, num_microbatches: int) -> dict:
+    """Per-layer load-balancing losses reduced across ranks as Megatron-LM's ``track_moe_metrics``
+    does (PP sum, reduce group, DP average), then cleared. The reduction goes through moe_utils'
+    module global, so under the ``moe_aux_loss`` swap its rank-ordered sum is what runs."""
+    from megatron.core.transformer.moe import moe_utils
+
+    name = _TRACKER_NAMES.get(recipe.model.moe.load_balancing) if recipe.model.has("E") else None
+    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    if name is not None:
+        if name not in tracker:  # a pipeline stage without MoE layers still joins the PP-group sum
+            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+            tracker[name] = {"values": torch.zeros(len(recipe.model.hybrid_pattern), device=device),
+                             "reduce_group": None, "avg_group": None, "reduce_group_has_dp": False}
+        moe_utils.reduce_aux_losses_tracker_across_ranks([name])
+    return moe_aux_losses(num_microbatches, names=[name] if name else [])
+
+
 def _lm_loss(losses_reduced):
     """DP-averaged LM loss, as Megatron reports it (None off the last pipeline stage)."""
     from megatron.core import parallel_state as ps
@@ -145,7 +167,7 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             state.scheduler.step(increment=1)
             elapsed = time.perf_counter() - t0
             lm_loss = _lm_loss(losses)
-            aux = moe_aux_losses(data.num_microbatches)
+            aux = _moe_aux_losses(recipe, data.num_microbatches)
             metrics = step_metrics(lm_loss=lm_loss, aux=aux, aux_coeff=moe_coeff, grad_norm=grad_norm, lr=lr)
             aux_total = metrics["aux_loss"]
             writer.write(step, metrics, {"params": buffer_digest(model, "param_data"), "grads": grads_digest})

@@ -105,9 +105,13 @@ def setup(recipe, enforcement, *, provider) -> TrainState:
     from megatron_bitdet import cpu_backend, patching
     from megatron_bitdet.model.builder import resolve_spec_family
 
+    from megatron_bitdet.patching import reductions
+
     seams = cpu_backend.install()
     swaps = enforcement.rules.swaps
     patches = patching.apply_for(recipe, family=resolve_spec_family(recipe), swaps=swaps)
     init_parallel(recipe)
+    installed = reductions.install(recipe.determinism.reductions)
+    patches = patches + ([installed] if installed else [])
     return build_trainable(recipe, swaps=swaps, provider=provider, enforcement=enforcement,
                            patches=patches, seams=seams)

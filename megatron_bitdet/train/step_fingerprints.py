@@ -43,14 +43,17 @@ class StepFingerprintWriter:
         self._f.close()
 
 
-def moe_aux_losses(num_microbatches: int, *, clear: bool = True) -> dict:
-    """This rank's per-layer load-balancing losses from megatron's tracker. Megatron-LM's own logging
-    reads and clears the tracker after the step, so it reads without clearing (``clear=False``)."""
+def moe_aux_losses(num_microbatches: int, *, names=None, clear: bool = True) -> dict:
+    """Per-layer load-balancing losses from megatron's tracker (``names``: only these entries).
+    Megatron-LM's own logging reduces and clears the tracker after the step, so under it the rank's
+    own values are read without clearing (``clear=False``)."""
     import torch
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
 
     out = {}
     for name, entry in get_moe_layer_wise_logging_tracker().items():
+        if names is not None and name not in names:
+            continue
         values = entry["values"] / num_microbatches
         for layer, v in enumerate(values):
             if v != 0:

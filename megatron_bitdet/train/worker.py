@@ -43,6 +43,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
     from megatron.core import parallel_state as ps
 
     from megatron_bitdet.enforce import build_manifest, write_manifest
+    from megatron_bitdet.enforce.manifest import gather_placement
     from megatron_bitdet.model.builder import load_model_provider
     from megatron_bitdet.train import checkpoint
     from megatron_bitdet.train.data import build_train_data
@@ -57,7 +58,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
     state = setup(recipe, enforcement, provider=provider)
     run_dir = Path(run_dir)
     manifest = build_manifest(
-        recipe, enforcement, world_size=world_size, argv=argv,
+        recipe, enforcement, world_size=world_size, argv=argv, placement=gather_placement(),
         extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams, "model_provider": model_provider,
                "trace": trace},
     )

@@ -1,0 +1,147 @@
+"""Topology-invariant reductions (issue 15), in real 4-rank training runs.
+
+gloo picks one algorithm, so another allocation's physical ring is emulated: ``BITDET_EMULATED_RING``
+routes every float reduction over point-to-point hops along a ring order drawn from the seed. The
+ordinary (travel-order) reduction's bits must change with that order; the invariant reduction's must
+not, and must equal the same run on two "nodes" (network namespaces, torchrun, c10d rendezvous).
+"""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+from conftest import RECIPE
+
+BITDET = [sys.executable, "-m", "megatron_bitdet"]
+# 4 ranks on 2 cores: one thread each; warm-up off so 2 steps both train at full lr.
+OVERRIDES = ["training.iterations=2", "training.lr_schedule.warmup_iters=0", "determinism.threads=1"]
+
+
+def _train(run_dir: Path, reductions: str, ring: str | None) -> Path:
+    env = {k: v for k, v in os.environ.items() if k != "BITDET_EMULATED_RING"}
+    if ring is not None:
+        env["BITDET_EMULATED_RING"] = ring
+    proc = subprocess.run(
+        [*BITDET, "train", "--recipe", str(RECIPE), "--nproc", "4", "--run-dir", str(run_dir),
+         *OVERRIDES, f"determinism.reductions={reductions}"],
+        env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return run_dir
+
+
+def _fingerprints(run_dir: Path) -> list[bytes]:
+    files = sorted((run_dir / "fingerprints").glob("rank_*.jsonl"))
+    assert len(files) == 4
+    return [f.read_bytes() for f in files]
+
+
+def _compare(a: Path, b: Path) -> subprocess.CompletedProcess:
+    return subprocess.run([*BITDET, "compare", str(a), str(b)], capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ring_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("topology")
+    return {name: _train(root / name, reductions, ring) for name, reductions, ring in (
+        ("native_ring1", "native", "1"), ("native_ring2", "native", "2"),
+        ("invariant_ring1", "topology_invariant", "1"), ("invariant_ring2", "topology_invariant", "2"),
+    )}
+
+
+def test_ordinary_reduction_bits_follow_the_ring(ring_runs):
+    a, b = _fingerprints(ring_runs["native_ring1"]), _fingerprints(ring_runs["native_ring2"])
+    assert all(x != y for x, y in zip(a, b)), "travel-order sums gave the same bits on two rings"
+    # Same recipe, another ring: with native reductions placement is in the scope, so it is refused.
+    proc = _compare(ring_runs["native_ring1"], ring_runs["native_ring2"])
+    assert proc.returncode == 2 and "placement" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_invariant_reduction_bits_ignore_the_ring(ring_runs):
+    a, b = _fingerprints(ring_runs["invariant_ring1"]), _fingerprints(ring_runs["invariant_ring2"])
+    assert a == b
+    proc = _compare(ring_runs["invariant_ring1"], ring_runs["invariant_ring2"])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    manifest = json.loads((ring_runs["invariant_ring1"] / "manifest.json").read_text())
+    assert "placement" not in manifest["scope"]
+    record = next(p for p in manifest["patches"] if p["id"] == "topology_invariant_reductions")
+    assert record["transport"] == "RingTransport" and record["emulated_ring_seed"] == "1"
+    # What the manifest says is swapped is what megatron calls: the DDP bucket reduce-scatter alias,
+    # the TP mappings' alias and torch.distributed.all_reduce (loss, grad norm, DDP all-reduce).
+    for binding in ("megatron.core.distributed.param_and_grad_buffer:dist_reduce_scatter_func",
+                    "megatron.core.tensor_parallel.mappings:dist_reduce_scatter_func",
+                    "torch.distributed:all_reduce"):
+        assert binding in record["bindings"]
+
+
+def _netns_available() -> str | None:
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if not shutil.which("ip") or not shutil.which("unshare"):
+        return "iproute2 / util-linux (ip, unshare) not installed"
+    probe = f"bdprobe{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+@pytest.fixture
+def two_nodes():
+    """Two network namespaces joined by a veth pair (10.77.x.1 / 10.77.x.2), removed afterwards."""
+    reason = _netns_available()
+    if reason:
+        pytest.skip(reason)
+    tag = uuid.uuid4().hex[:6]
+    ns, dev, net = (f"bdA{tag}", f"bdB{tag}"), (f"va{tag}", f"vb{tag}"), f"10.77.{int(tag[:2], 16)}"
+    cmds = [["ip", "netns", "add", ns[0]], ["ip", "netns", "add", ns[1]],
+            ["ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1]],
+            ["ip", "link", "set", dev[0], "netns", ns[0]], ["ip", "link", "set", dev[1], "netns", ns[1]]]
+    for i in (0, 1):
+        cmds += [["ip", "-n", ns[i], "addr", "add", f"{net}.{i + 1}/24", "dev", dev[i]],
+                 ["ip", "-n", ns[i], "link", "set", dev[i], "up"], ["ip", "-n", ns[i], "link", "set", "lo", "up"]]
+    try:
+        for cmd in cmds:
+            subprocess.run(cmd, check=True, capture_output=True)
+        yield [(ns[i], dev[i], f"{net}.{i + 1}") for i in (0, 1)], f"{net}.1"
+    finally:
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], check=False, capture_output=True)
+
+
+def test_two_nodes_through_torchrun_equal_one_node(ring_runs, two_nodes, tmp_path):
+    nodes, master = two_nodes
+    run_dir = tmp_path / "two_nodes"
+    torchrun = str(Path(sys.executable).with_name("torchrun"))
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{addr} node{i}\n" for i, (_, _, addr) in enumerate(nodes)))
+    procs = []
+    for i, (ns, dev, _addr) in enumerate(nodes):
+        env = {k: v for k, v in os.environ.items() if k != "BITDET_EMULATED_RING"}
+        env.update(GLOO_SOCKET_IFNAME=dev, OMP_NUM_THREADS="1")
+        # Own UTS (host name) and mount namespace (an /etc/hosts naming both nodes) per node, so each
+        # records its own host in the manifest and torchrun's rendezvous resolves it.
+        cmd = ["unshare", "--uts", "--mount", "sh", "-c",
+               f'hostname node{i} && mount --bind "{hosts}" /etc/hosts && exec "$@"', "node",
+               "ip", "netns", "exec", ns, torchrun, "--nnodes", "2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:29477", "--rdzv-id", "bitdet-topology",
+               "-m", "megatron_bitdet", "train", "--recipe", str(RECIPE), "--run-dir", str(run_dir),
+               *OVERRIDES, "determinism.reductions=topology_invariant"]
+        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    # No emulated ring here, two hosts, c10d's own transport: the same bits as the 1-node ring runs.
+    assert _fingerprints(run_dir) == _fingerprints(ring_runs["invariant_ring1"])
+    manifest = json.loads((run_dir / "manifest.json").read_text())
+    assert manifest["placement"]["nodes"] == ["node0", "node1"]
+    assert sorted(r["host"] for r in manifest["placement"]["ranks"]) == ["node0", "node0", "node1", "node1"]
+    proc = _compare(ring_runs["invariant_ring1"], run_dir)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
