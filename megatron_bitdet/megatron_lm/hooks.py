@@ -128,7 +128,10 @@ def check_launch(session, extra_args_provider) -> int:
         from megatron_bitdet.enforce import Enforcement, write_manifest
 
         session.recipe = recipe
-        enforcement = Enforcement(mode=True, env=judged[0], rules=outcome, threads=0, warnings=judged[3])
+        import torch
+
+        enforcement = Enforcement(mode=True, env=judged[0], rules=outcome, threads=torch.get_num_threads(),
+                                  warnings=judged[3])
         write_manifest(session.run_dir, _manifest(session, enforcement, args, check=True))
     return 2 if violations else 0
 
