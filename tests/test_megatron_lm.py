@@ -16,10 +16,12 @@ import pytest
 from megatron_bitdet.cli import main as bitdet
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
-pytestmark = pytest.mark.skipif(
-    not MEGATRON_LM or not os.path.isfile(os.path.join(MEGATRON_LM, "pretrain_mamba.py")),
-    reason="MEGATRON_LM_PATH is unset or holds no pretrain_mamba.py (point it at a Megatron-LM checkout)",
-)
+pytestmark = [
+    pytest.mark.skipif(
+        not MEGATRON_LM or not os.path.isfile(os.path.join(MEGATRON_LM, "pretrain_mamba.py")),
+        reason="MEGATRON_LM_PATH is unset or holds no pretrain_mamba.py (point it at a Megatron-LM checkout)"),
+    pytest.mark.timeout(1800),  # a session fixture makes three 2-rank launches in one test's setup
+]
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -210,3 +212,9 @@ def test_readme_commands_are_the_ones_tested():
     assert commands[0].endswith("$ARGS --snapshot-at 2") and commands[1].endswith("pretrain_mamba.py $ARGS")
     assert "--resume-at 2 --reference runs/mlm_a" in commands[3] and commands[3].endswith("-- $ARGS")
     assert "--seed" in MAMBA and "--deterministic-mode" in MAMBA and "M*-E" in MAMBA
+
+
+def test_trace_is_refused_before_any_rank_starts(tmp_path, capsys):
+    rc = launch(tmp_path / "t", "pretrain_mamba.py", MAMBA, "--trace", "op")
+    assert rc == 2 and "--trace is not wired into Megatron-LM's loop" in capsys.readouterr().err
+    assert not (tmp_path / "t" / "logs").exists()

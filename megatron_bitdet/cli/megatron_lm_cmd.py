@@ -12,7 +12,8 @@ EXAMPLES = """examples:
 
 --check judges the launch line (exit 2 listing every violation, 0 when clean) without training; flags
 for kernels that are not installed here are judged, not imported. bitdet's own options may appear
-among the Megatron args: --recipe, --bitdet-override, --run-dir, --trace, --trace-steps, --trace-ranks.
+among the Megatron args: --recipe, --bitdet-override, --run-dir, --snapshot-at (--trace is refused:
+tracing and localize drive `bitdet train` runs).
 run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, logs/rank_XXXXX.log (as for `bitdet train`)"""
 
 
