@@ -173,6 +173,11 @@ def test_recipe_disagreeing_with_a_flag_is_refused_naming_both(tmp_path, capsys)
     assert f"{recipe}:2: model.hidden_size" in err and "--hidden-size gives 64" in err
 
 
+def last_json(out: str) -> dict:
+    """The report printed last (the ranks' own output streams to the same console before it)."""
+    return json.loads(out[out.rindex("\n{\n") + 1:] if not out.startswith("{\n") else out)
+
+
 def verify_resume(mamba_runs, out: Path, *extra: str) -> int:
     runs, rcs = mamba_runs
     assert rcs["a"] == 0
@@ -184,7 +189,7 @@ def verify_resume(mamba_runs, out: Path, *extra: str) -> int:
 def test_verify_resume_holds_on_megatron_checkpoints_with_dropout_and_distopt(mamba_runs, tmp_path, capsys):
     capsys.readouterr()
     rc = verify_resume(mamba_runs, tmp_path)
-    report = json.loads(capsys.readouterr().out)
+    report = last_json(capsys.readouterr().out)
     assert rc == 0 and report["holds"], report
     components = {c["component"] for c in report["checks"]}
     assert {"parameters", "optimizer", "scheduler", "data", "rng.torch_cpu", "rng.tracker"} <= components
@@ -195,7 +200,7 @@ def test_verify_resume_holds_on_megatron_checkpoints_with_dropout_and_distopt(ma
 def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(mamba_runs, tmp_path, capsys):
     capsys.readouterr()
     rc = verify_resume(mamba_runs, tmp_path, "--skip-restore", "rng")
-    report = json.loads(capsys.readouterr().out)
+    report = last_json(capsys.readouterr().out)
     assert rc == 1 and not report["holds"]
     (resumed,) = [p for p in report["points"] if p["step"] == 2]
     assert "rng.torch_cpu" in resumed["failing_components"]

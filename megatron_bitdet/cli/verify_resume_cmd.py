@@ -47,11 +47,11 @@ def register(subparsers, summary: str) -> None:
 
 
 def run(args) -> int:
-    from megatron_bitdet.analysis.resume import check_resume_at, parse_resume_at, verify_resume
     from megatron_bitdet.errors import BitdetInputError
+    from megatron_bitdet.workflows.resume import check_resume_at, parse_resume_at, verify_resume
 
     if args.megatron_lm:
-        from megatron_bitdet.analysis.megatron_resume import verify_megatron_resume
+        from megatron_bitdet.workflows.megatron_resume import verify_megatron_resume
 
         line = args.overrides[1:] if args.overrides[:1] == ["--"] else list(args.overrides)
         report = verify_megatron_resume(

@@ -12,41 +12,13 @@ group or model exists; ``train_step`` writes the per-step fingerprints); (4) the
 """
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 
 from megatron_bitdet.errors import BitdetError, BitdetInputError
+from megatron_bitdet.megatron_lm.options import preparse
 
-DEFAULT_RUN_DIR = "bitdet_run"
 USAGE = "python -m megatron_bitdet.megatron_lm [--check] SCRIPT.py [--deterministic-mode] [--recipe R] <Megatron args>"
-
-
-def add_entry_args(parser):
-    """bitdet's arguments on Megatron's parser (and on the entry's own pre-parser): the plugin's
-    ``add_args`` plus where the run directory goes (tracing options are recognized, and refused)."""
-    from megatron_bitdet.enforce.megatron import add_args
-
-    add_args(parser)
-    group = parser.add_argument_group(title="bitdet run", description="run directory, snapshots")
-    group.add_argument("--run-dir", default=None, metavar="DIR",
-                       help="manifest, fingerprints, snapshots (default: ./bitdet_run)")
-    group.add_argument("--snapshot-at", default=None, metavar="K1,K2",
-                       help="live-state snapshots as step K+1 begins (bitdet verify-resume)")
-    group.add_argument("--trace", default=None, metavar="LEVEL", help="refused for now (use bitdet train)")
-    group.add_argument("--trace-steps", default=None, metavar="A-B", help="refused for now")
-    group.add_argument("--trace-ranks", default=None, metavar="LIST", help="refused for now")
-    return parser
-
-
-def preparse(argv: list[str]):
-    """bitdet's options out of a Megatron launch line (Megatron parses them again, chained)."""
-    parser = add_entry_args(argparse.ArgumentParser(add_help=False, allow_abbrev=False))
-    known, _ = parser.parse_known_args(argv)
-    if known.trace or known.trace_steps or known.trace_ranks:
-        raise BitdetInputError("--trace is not wired into Megatron-LM's loop yet: trace and localize with "
-                               "`bitdet train` (bitdet compare / verify-resume work on Megatron-LM runs)")
-    return known
 
 
 def load_base_recipe(opts):
@@ -127,7 +99,7 @@ def run(script: str, rest: list[str], *, check: bool = False) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        from megatron_bitdet.cpu_backend import training as training_seams
+        from megatron_bitdet.compat.cpu_backend import training as training_seams
 
         training_seams.install()
     session = hooks.Session(script=script, argv=[script, *rest], base=base, opts=opts, check=check)

@@ -55,7 +55,7 @@ class Session:
 
     @property
     def run_dir(self) -> Path:
-        from megatron_bitdet.megatron_lm.entry import DEFAULT_RUN_DIR
+        from megatron_bitdet.megatron_lm.options import DEFAULT_RUN_DIR
 
         return Path(self.opts.run_dir or DEFAULT_RUN_DIR)
 
@@ -67,7 +67,7 @@ class Session:
 
 def _chain(user_provider):
     """Megatron's ``extra_args_provider`` slot holds one function: the script's, then bitdet's."""
-    from megatron_bitdet.megatron_lm.entry import add_entry_args
+    from megatron_bitdet.megatron_lm.options import add_entry_args
 
     def provider(parser):
         if user_provider is not None:
@@ -137,8 +137,8 @@ def check_launch(session, extra_args_provider) -> int:
 
 
 def _manifest(session, enforcement, args, *, check: bool = False) -> dict:
-    from megatron_bitdet import cpu_backend
-    from megatron_bitdet.cpu_backend import training as training_seams
+    from megatron_bitdet.compat import cpu_backend
+    from megatron_bitdet.compat.cpu_backend import training as training_seams
     from megatron_bitdet.enforce import build_manifest
 
     return build_manifest(
@@ -150,7 +150,7 @@ def _manifest(session, enforcement, args, *, check: bool = False) -> dict:
 
 def on_validate(session, args) -> None:
     """Judge and enforce on the parsed args, install the swaps, write the manifest (rank 0)."""
-    from megatron_bitdet import patching
+    from megatron_bitdet.compat import patching
     from megatron_bitdet.enforce import Enforcement, enable, megatron_overrides
 
     session.rank = args.rank
@@ -203,9 +203,8 @@ def on_step_end(session, step: int, result, model) -> None:
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import get_args
 
-    from megatron_bitdet.train.step_fingerprints import (
-        StepFingerprintWriter, buffer_digest, moe_aux_losses, step_metrics,
-    )
+    from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
+    from megatron_bitdet.train.step_fingerprints import buffer_digest, moe_aux_losses, step_metrics
 
     loss_dict, _skipped, _ckpt, should_exit, _code, grad_norm, num_zeros = result[:7]
     if should_exit and not loss_dict:
@@ -251,29 +250,21 @@ def load_with_adam_fix(original, ddp_model, optimizer, *a, **kw):
     """Megatron-LM's load_checkpoint with megatron-core 0.16.1's two torch-Adam step bugs fixed (as
     ``bitdet train`` does): states exist (with a step) before the shards are described, and each param
     gets its own copy of the saved step afterwards."""
-    from megatron_bitdet.train.checkpoint import prepare_optimizer_for_load, restore_adam_steps
+    from megatron_bitdet.compat.checkpoint import load_optimizer_state, prepare_optimizer_for_load
 
     if optimizer is None:
         return original(ddp_model, optimizer, *a, **kw)
     prepare_optimizer_for_load(optimizer)
-    loaded = []
-    inner_load = optimizer.load_state_dict
 
-    def load_state_dict(state_dict, *la, **lkw):
-        loaded.append(state_dict)
-        import torch
-
-        with torch.no_grad():  # megatron copies into leaf params in place
-            return inner_load(state_dict, *la, **lkw)
+    def load_state_dict(state_dict):
+        del optimizer.load_state_dict  # the class's method again, for compat's loader
+        load_optimizer_state(optimizer, state_dict)
 
     optimizer.load_state_dict = load_state_dict
     try:
-        result = original(ddp_model, optimizer, *a, **kw)
+        return original(ddp_model, optimizer, *a, **kw)
     finally:
-        del optimizer.load_state_dict
-    if loaded:
-        restore_adam_steps(optimizer, loaded[-1])
-    return result
+        optimizer.__dict__.pop("load_state_dict", None)
 
 
 def install(session: Session) -> None:

@@ -99,11 +99,11 @@ def stack_spec(recipe):
     from megatron_bitdet.model import specs
 
     family = resolve_spec_family(recipe)
-    build = specs.te_stack_spec if family == "te" else specs.local_stack_spec
-    return build(
-        num_experts=recipe.model.moe.num_experts,
-        mamba_params={"chunk_size": recipe.model.mamba.chunk_size, "d_conv": recipe.model.mamba.conv_kernel},
-    )
+    kwargs = dict(num_experts=recipe.model.moe.num_experts,
+                  mamba_params={"chunk_size": recipe.model.mamba.chunk_size, "d_conv": recipe.model.mamba.conv_kernel})
+    if family == "te":
+        return specs.te_stack_spec(**kwargs)
+    return specs.local_stack_spec(**kwargs, expert_impl=recipe.model.moe.expert_impl)
 
 
 def default_model_provider(recipe, config, *, pre_process: bool = True, post_process: bool = True):

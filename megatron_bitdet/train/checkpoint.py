@@ -19,15 +19,11 @@ import numpy as np
 import torch
 import xxhash
 
+from megatron_bitdet.compat.checkpoint import SHARDED_METADATA, load_optimizer_state, prepare_optimizer_for_load
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.rundir import LATEST, iter_dir
 
 META = "bitdet_meta.json"
-LATEST = "latest"
-SHARDED_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False}
-
-
-def iter_dir(root, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -207,45 +203,6 @@ def verify_checkpoint(path: Path) -> dict:
     return meta
 
 
-def _saved_steps(tree) -> set:
-    """Every ``param_groups[*].step`` in a loaded (possibly chained) optimizer state dict."""
-    if isinstance(tree, dict):
-        found = {float(g["step"]) for g in tree.get("param_groups", []) if isinstance(g, dict) and "step" in g}
-        for key, value in tree.items():
-            if key != "param_groups":
-                found |= _saved_steps(value)
-        return found
-    return set()
-
-
-def restore_adam_steps(optimizer, loaded: dict) -> None:
-    """megatron 0.16.1 + torch Adam restores "step" wrongly on two counts: the dp_reshardable loader
-    copies the (unsaved) per-param step back over the restored one, and the restored ones share a
-    single tensor that torch increments once per param. Each param gets its own copy of the saved step,
-    and the serialized copy megatron leaves in each param group is dropped, so the live state equals
-    an uninterrupted run's."""
-    steps = _saved_steps(loaded)
-    if len(steps) > 1:
-        raise BitdetInputError(f"checkpoint optimizer state holds inconsistent steps {sorted(steps)}")
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for param_state in opt.optimizer.state.values():
-            if "step" in param_state and steps:
-                param_state["step"] = torch.tensor(next(iter(steps)), dtype=torch.float32)
-        for group in opt.optimizer.param_groups:
-            group.pop("step", None)  # the serialized copy; torch Adam reads only the per-param step
-
-
-def prepare_optimizer_for_load(optimizer) -> None:
-    """A fresh optimizer has no state yet; megatron needs the tensors to exist to describe the shards.
-    Its torch-Adam init_state_fn omits "step", which the distributed optimizer's state_dict reads
-    (``assert len(steps) == 1`` otherwise)."""
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if opt.init_state_fn is not None:
-            opt.init_state_fn(opt.optimizer, opt.config)
-            for param_state in opt.optimizer.state.values():
-                param_state.setdefault("step", torch.tensor(0.0))
-
-
 def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int) -> tuple[int, dict]:
     """Collective. Restores model, optimizer, scheduler; returns (iteration, this rank's state)."""
     from megatron.core import dist_checkpointing
@@ -267,8 +224,6 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
     keys = [k for k in state if k.startswith("model")]
     for key, m in zip(sorted(keys), ddp_modules):
         m.module.load_state_dict(state[key], strict=True)
-    with torch.no_grad():  # megatron copies into leaf params in place (no_grad is missing upstream)
-        optimizer.load_state_dict(state["optimizer"])
-    restore_adam_steps(optimizer, state["optimizer"])
+    load_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["iteration"]), state["bitdet_rank_state"]

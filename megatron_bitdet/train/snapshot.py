@@ -11,14 +11,11 @@ from pathlib import Path
 
 import torch
 
+from megatron_bitdet.rundir import snapshot_path
 from megatron_bitdet.train.checkpoint import capture_rng
 
 # Restore components a fault-injection test may skip (``--fault-skip-restore``); never set in real runs.
 FAULTS = ("rng.python", "rng.numpy", "rng.torch_cpu", "rng.tracker", "data", "optimizer.exp_avg", "scheduler")
-
-
-def snapshot_path(run_dir, step: int, rank: int) -> Path:
-    return Path(run_dir) / "snapshots" / f"iter_{step:07d}" / f"rank_{rank:05d}.pt"
 
 
 def _optimizer_state(optimizer) -> dict:

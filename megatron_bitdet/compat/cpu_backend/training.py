@@ -12,11 +12,17 @@ import types
 
 import torch
 
-from megatron_bitdet.cpu_backend.seams import _CUDA_LITERALS, _cuda_literals_to_cpu, _rebind
+from megatron_bitdet.compat.cpu_backend.seams import _CUDA_LITERALS, _cuda_literals_to_cpu
+from megatron_bitdet.compat.rebind import rebind
 from megatron_bitdet.errors import BitdetError
 
 _INSTALLED: list[str] = []
 _PREFIXES = ("megatron.core", "megatron.training", "megatron.legacy")
+
+
+def _modules() -> list:
+    """Every imported megatron.core / megatron.training / megatron.legacy module (rebinding targets)."""
+    return [m for n, m in list(sys.modules.items()) if n.startswith(_PREFIXES) and m is not None]
 
 # tensor / module moves and CUDA generator calls, pointed at the CPU
 _TRAINING_LITERALS = [
@@ -39,7 +45,7 @@ def install(*, force: bool = False) -> list[str]:
     """Fill every megatron.training seam if CUDA is unavailable (after ``cpu_backend.install()``)."""
     if _INSTALLED or (torch.cuda.is_available() and not force):
         return installed()
-    from megatron_bitdet import cpu_backend
+    from megatron_bitdet.compat import cpu_backend
 
     cpu_backend.install(force=force)
     batch_invariant_kernels()  # before megatron.training.initialize imports it
@@ -58,7 +64,7 @@ def _rewrite_all(target: str, replacements) -> None:
     missing = [old for old, _ in replacements if old not in src]
     if missing:
         raise BitdetError(f"CPU backend: {target} no longer contains {missing}; Megatron-LM changed under the seam")
-    _cuda_literals_to_cpu(target, replacements, _PREFIXES)
+    _cuda_literals_to_cpu(target, replacements, _modules())
 
 
 def batch_invariant_kernels():
@@ -95,7 +101,7 @@ def allow_no_cuda():
 
     initialize_megatron.__wrapped__ = original
     initialize.initialize_megatron = initialize_megatron
-    _rebind(original, initialize_megatron, _PREFIXES)
+    rebind({original: initialize_megatron}, _modules())
 
 
 def model_parallel_groups():
@@ -157,7 +163,7 @@ def training_device_literals():
         "megatron.training.utils:calc_dtensor_params_l2_norm",
         "megatron.training.utils:get_batch_on_this_tp_rank",
     ):
-        _cuda_literals_to_cpu(target, _TRAINING_LITERALS, _PREFIXES)
+        _cuda_literals_to_cpu(target, _TRAINING_LITERALS, _modules())
 
 
 SEAMS = [batch_invariant_kernels, allow_no_cuda, model_parallel_groups, tensor_parallel_seed, prebuilt_helpers,
