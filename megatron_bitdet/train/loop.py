@@ -14,6 +14,7 @@ import torch
 
 from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 from megatron_bitdet.train.console import Console
+from megatron_bitdet.train.precision import step_digests
 from megatron_bitdet.train.step_fingerprints import buffer_digest, ddp_buffers, moe_aux_losses, step_metrics
 
 
@@ -191,7 +192,8 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             aux = _moe_aux_losses(recipe, data.num_microbatches)
             metrics = step_metrics(lm_loss=lm_loss, aux=aux, aux_coeff=moe_coeff, grad_norm=grad_norm, lr=lr)
             aux_total = metrics["aux_loss"]
-            writer.write(step, metrics, {"params": buffer_digest(model, "param_data"), "grads": grads_digest})
+            writer.write(step, metrics, {"params": buffer_digest(model, "param_data"), "grads": grads_digest,
+                                         **step_digests(model)})
             console.step(step, stop, elapsed_ms=elapsed * 1000, lr=lr, lm_loss=lm_loss, aux=aux_total,
                          grad_norm=grad_norm, consumed=data.consumed_samples, skipped=0 if ok else 1)
             if save_root and save_interval and step % save_interval == 0:
