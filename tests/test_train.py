@@ -180,3 +180,16 @@ def test_custom_provider_trains_and_is_recorded(reference_run, provider_run):
     assert provider_run.manifest()["model_provider"] == PROVIDER
     for rank in (0, 1):  # a different model: its parameters differ from the default's at step 1
         assert provider_run.steps(rank)[0]["digests"]["params"] != reference_run.steps(rank)[0]["digests"]["params"]
+
+
+@pytest.mark.timeout(120)
+def test_provider_and_torch_flags_are_in_the_scope(reference_run, provider_run, capsys):
+    """A custom-provider run is another validation scope, not a divergence; torch's live determinism
+    flags (after the provider ran) are recorded."""
+    scope = reference_run.manifest()["scope"]
+    assert scope["model_provider"] == "default" and scope["torch/deterministic_algorithms"] is True
+    assert scope["torch/cudnn_benchmark"] is False and scope["torch/fill_uninitialized_memory"] is False
+    assert provider_run.manifest()["scope"]["model_provider"] == PROVIDER
+    capsys.readouterr()
+    assert bitdet(["compare", str(reference_run.dir), str(provider_run.dir)]) == 2
+    assert "model_provider" in capsys.readouterr().err

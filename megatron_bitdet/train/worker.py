@@ -59,6 +59,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
     run_dir = Path(run_dir)
     manifest = build_manifest(
         recipe, enforcement, world_size=world_size, argv=argv, placement=gather_placement(),
+        model_provider=model_provider,
         extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams, "model_provider": model_provider,
                "trace": trace},
     )
