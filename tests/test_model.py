@@ -143,3 +143,10 @@ def test_provider_that_turns_determinism_off_is_refused(hybrid):
             build_model(recipe, transformer_config(recipe), careless_provider)
     finally:
         torch.use_deterministic_algorithms(True)
+
+
+def test_te_family_swaps_the_gated_rmsnorm_in_deterministic_mode():
+    """mamba_ssm's Triton gated norm sums dw over a device-dependent number of row blocks: the TE family
+    gets bitdet's norm in deterministic mode (the local family always has it)."""
+    assert "gated_rmsnorm" in select_patches(_recipe(), family="te")
+    assert "gated_rmsnorm" not in select_patches(_recipe("determinism.mode=false"), family="te")

@@ -35,7 +35,7 @@ def assert_trained(run: Run, scope: dict, loss_ranks) -> None:
         assert [line["step"] for line in lines] == STEPS
         assert {line["rank"] for line in lines} == {rank}
         for line in lines:
-            assert set(line["digests"]) == {"params", "grads"}
+            assert set(line["digests"]) == {"params", "grads", "buffers"}
             if rank in loss_ranks:
                 assert math.isfinite(decode_float(line["metrics"]["loss"]))
             else:  # off the last pipeline stage there is no loss to report

@@ -34,7 +34,8 @@ def register(subparsers, summary: str) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--fault-skip-restore", action="append", default=[], metavar="COMPONENT",
                    help="TEST ONLY, for demonstrating detection: every restore skips COMPONENT "
-                        "(rng.python, rng.numpy, rng.torch_cpu, rng.tracker, data, optimizer.exp_avg, scheduler)")
+                        "(rng.python, rng.numpy, rng.torch_cpu, rng.tracker, rng.module, data, optimizer.exp_avg, "
+                        "scheduler)")
     p.set_defaults(func=run)
 
 

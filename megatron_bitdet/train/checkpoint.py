@@ -218,16 +218,25 @@ def _saved_steps(tree) -> set:
     return set()
 
 
-def _restore_adam_steps(optimizer, loaded: dict) -> None:
+def keeps_per_param_step(inner) -> bool:
+    """torch's Adam/AdamW count steps per parameter (``state[p]["step"]``); TE's and apex's FusedAdam
+    (megatron's optimizer when Transformer Engine is present) count them in ``param_groups[i]["step"]``."""
+    return type(inner).__module__.startswith("torch.optim")
+
+
+def restore_adam_steps(optimizer, loaded: dict) -> None:
     """megatron 0.16.1 + torch Adam restores "step" wrongly on two counts: the dp_reshardable loader
     copies the (unsaved) per-param step back over the restored one, and the restored ones share a
     single tensor that torch increments once per param. Each param gets its own copy of the saved step,
     and the serialized copy megatron leaves in each param group is dropped, so the live state equals
-    an uninterrupted run's."""
+    an uninterrupted run's. A FusedAdam keeps its step in the group: that restored copy is its step,
+    and stays (dropping it would restart Adam's bias correction)."""
     steps = _saved_steps(loaded)
     if len(steps) > 1:
         raise BitdetInputError(f"checkpoint optimizer state holds inconsistent steps {sorted(steps)}")
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        if not keeps_per_param_step(opt.optimizer):
+            continue
         for param_state in opt.optimizer.state.values():
             if "step" in param_state and steps:
                 param_state["step"] = torch.tensor(next(iter(steps)), dtype=torch.float32)
@@ -252,7 +261,7 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
         if opt.init_state_fn is not None:
             opt.init_state_fn(opt.optimizer, opt.config)
-            for param_state in opt.optimizer.state.values():
+            for param_state in opt.optimizer.state.values() if keeps_per_param_step(opt.optimizer) else ():
                 param_state.setdefault("step", torch.tensor(0.0))
     template = _sharded_state_dict(
         ddp_modules, optimizer, rank=rank, world=world_size, is_loading=True,
@@ -264,6 +273,6 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
         m.module.load_state_dict(state[key], strict=True)
     with torch.no_grad():  # megatron copies into leaf params in place (no_grad is missing upstream)
         optimizer.load_state_dict(state["optimizer"])
-    _restore_adam_steps(optimizer, state["optimizer"])
+    restore_adam_steps(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["iteration"]), state["bitdet_rank_state"]

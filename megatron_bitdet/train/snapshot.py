@@ -12,9 +12,11 @@ from pathlib import Path
 import torch
 
 from megatron_bitdet.train.checkpoint import capture_rng
+from megatron_bitdet.train.module_state import capture_module_rng, module_buffers
 
 # Restore components a fault-injection test may skip (``--fault-skip-restore``); never set in real runs.
-FAULTS = ("rng.python", "rng.numpy", "rng.torch_cpu", "rng.tracker", "data", "optimizer.exp_avg", "scheduler")
+FAULTS = ("rng.python", "rng.numpy", "rng.torch_cpu", "rng.tracker", "rng.module", "data", "optimizer.exp_avg",
+          "scheduler")
 
 
 def snapshot_path(run_dir, step: int, rank: int) -> Path:
@@ -38,6 +40,9 @@ def _optimizer_state(optimizer) -> dict:
 
 
 def take_snapshot(run_dir, step: int, *, rank: int, ddp_modules, optimizer, scheduler, data) -> Path:
+    chunks = [m.module for m in ddp_modules]
+    rng = capture_rng()
+    rng.update({f"module:{where}": s for where, s in capture_module_rng(chunks).items()})
     state = {
         "step": step,
         "rank": rank,
@@ -45,9 +50,10 @@ def take_snapshot(run_dir, step: int, *, rank: int, ddp_modules, optimizer, sche
             f"{i}.{name}": p.detach().clone()
             for i, m in enumerate(ddp_modules) for name, p in m.module.named_parameters()
         },
+        "buffers": {name: b.detach().clone() for name, b in module_buffers(chunks).items()},
         "optimizer": _optimizer_state(optimizer),
         "scheduler": dict(scheduler.state_dict()),
-        "rng": capture_rng(),
+        "rng": rng,
         "data": data.state_dict(),
     }
     path = snapshot_path(run_dir, step, rank)

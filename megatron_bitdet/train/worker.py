@@ -49,6 +49,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
     from megatron_bitdet.train.data import build_train_data
     from megatron_bitdet.train.loop import train_steps
     from megatron_bitdet.train.setup import setup
+    from megatron_bitdet.train.module_state import restore_module_rng
     from megatron_bitdet.train.snapshot import inject_restore_faults, take_snapshot
 
     if not _ENFORCEMENT:
@@ -83,6 +84,8 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
             world_size=world_size,
         )
         checkpoint.restore_rng(rank_state["rng"], skip=frozenset(f[4:] for f in faults if f.startswith("rng.")))
+        if "rng.module" not in faults:
+            restore_module_rng([m.module for m in state.ddp_modules], rank_state.get("module_rng"), source=load)
         data.load_state_dict(rank_state["data"])
         if faults:
             inject_restore_faults(faults, optimizer=state.optimizer, scheduler_state_before=fresh["scheduler"],
