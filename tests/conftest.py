@@ -10,8 +10,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "nemotron_h_tiny.yaml"
-ITERATIONS = 3  # > warmup_iters (2)
-RESUME_AT = 2  # the reference saves every step; the resumed run restores 2 and runs 3
+ITERATIONS = 4  # > warmup_iters (2)
+RESUME_AT = 2  # the reference saves every step; the resumed run restores 2 and runs 3-4 (both at lr > 0)
 
 
 @dataclass(frozen=True)

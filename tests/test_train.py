@@ -45,12 +45,16 @@ def assert_trained(run: Run, scope: dict, loss_ranks) -> None:
     assert manifest["scope"]["world_size"] == 2
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_parallel_layout_trains(layout, tmp_path):
+def test_parallel_layout_trains_and_twins_are_bitwise_equal(layout, tmp_path):
     overrides, scope, loss_ranks = LAYOUTS[layout]
-    run = train(tmp_path, *overrides)
+    run = train(tmp_path / "a", *overrides)
     assert_trained(run, scope, loss_ranks)
+    twin = train(tmp_path / "b", *overrides)  # an independent second launch of the same layout
+    assert twin.rc == 0
+    for rank in (0, 1):
+        assert twin.fingerprint_bytes(rank) == run.fingerprint_bytes(rank)
     if layout == "dp2_distopt":
         assert run.manifest()["recipe"]["parallel"]["distributed_optimizer"] is True
 
@@ -121,7 +125,9 @@ def test_resume_continues_bit_for_bit(reference_run, resumed_run):
     assert resumed_run.rc == 0
     for rank in (0, 1):
         assert resumed_run.fingerprint_lines(rank) == reference_run.fingerprint_lines(rank)[RESUME_AT:]
-        assert resumed_run.steps(rank)[0]["step"] == RESUME_AT + 1
+        steps = resumed_run.steps(rank)
+        assert [s["step"] for s in steps] == list(range(RESUME_AT + 1, ITERATIONS + 1)) and len(steps) >= 2
+        assert all(decode_float(s["metrics"]["lr"]) > 0 for s in steps)  # trained steps, not lr-0 warmup
 
 
 @pytest.mark.timeout(120)
