@@ -27,7 +27,7 @@ _ENFORCEMENT: list = []
 def enforce(rank: int, world_size: int, *, recipe: dict, **_unused) -> None:
     """Before the process group, as ``bitdet train``'s worker does (the launcher calls it)."""
     from megatron_bitdet.enforce import enable
-    from megatron_bitdet.patching import declared_ids
+    from megatron_bitdet.compat.patching import declared_ids
     from megatron_bitdet.recipe import Recipe
 
     recipe = Recipe.from_dict(recipe, source="<bench recipe>")
@@ -50,16 +50,9 @@ def build(recipe, enforcement):
 
 
 def train_step(state, data, forward_backward) -> None:
-    from megatron_bitdet.train.loop import _forward_step
+    from megatron_bitdet.train.loop import train_step as loop_step
 
-    for m in state.ddp_modules:
-        m.zero_grad_buffer()
-    state.optimizer.zero_grad()
-    forward_backward(forward_step_func=_forward_step, data_iterator=data, model=state.ddp_modules,
-                     num_microbatches=data.num_microbatches, seq_length=state.recipe.model.seq_length,
-                     micro_batch_size=state.recipe.training.micro_batch_size, forward_only=False)
-    state.optimizer.step()
-    state.scheduler.step(increment=1)
+    loop_step(state, data, forward_backward)
 
 
 def fingerprint(state, writer, step: int) -> float:
@@ -77,7 +70,7 @@ def fingerprint(state, writer, step: int) -> float:
 def bench_worker(rank: int, world_size: int, *, recipe: dict, steps: int, warmup: int, work_dir: str) -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from megatron_bitdet.train.step_fingerprints import StepFingerprintWriter
+    from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 
     recipe, enforcement = _ENFORCEMENT[0]
     state, data = build(recipe, enforcement)
@@ -110,9 +103,9 @@ bench_worker.before_process_group = enforce
 
 
 def main() -> int:
-    from megatron_bitdet.cli.train_cmd import child_env
     from megatron_bitdet.recipe import load_recipe
     from megatron_bitdet.train.launch import launch
+    from megatron_bitdet.train.run import child_env
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=30)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from megatron_bitdet import cpu_backend
+from megatron_bitdet.compat import cpu_backend
 
 cpu_backend.install()
 

@@ -19,9 +19,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 def main() -> int:
     from rich.console import Console
 
-    from megatron_bitdet.analysis.tax import measure_tax
-    from megatron_bitdet.cli.tax_cmd import print_tax
     from megatron_bitdet.recipe import load_recipe
+    from megatron_bitdet.workflows.tax import measure_tax, print_tax
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--recipe", default=str(Path(__file__).resolve().parents[1] / "recipes/nemotron_h_tiny.yaml"))

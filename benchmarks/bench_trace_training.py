@@ -13,8 +13,9 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from megatron_bitdet.cli.train_cmd import launch_training
 from megatron_bitdet.recipe import load_recipe
+from megatron_bitdet.trace import TraceConfig
+from megatron_bitdet.train.run import RunOptions, launch_training
 
 ROOT = Path(__file__).resolve().parents[1]
 _ELAPSED = re.compile(r"iteration\s+(\d+)/.*elapsed time per iteration \(ms\): ([\d.]+)")
@@ -35,15 +36,15 @@ def main() -> None:
     traced = [args.warmup + 1, args.iterations]
     configs = {
         "untraced": None,
-        "outside window": {"level": "op", "steps": [args.iterations + 1] * 2, "ranks": None, "hash": "fast"},
-        "module": {"level": "module", "steps": traced, "ranks": None, "hash": "fast"},
-        "op": {"level": "op", "steps": traced, "ranks": None, "hash": "fast"},
+        "outside window": TraceConfig("op", (args.iterations + 1,) * 2),
+        "module": TraceConfig("module", tuple(traced)),
+        "op": TraceConfig("op", tuple(traced)),
     }
     ms = {}
     with tempfile.TemporaryDirectory() as tmp:
         for name, trace in configs.items():
             run = Path(tmp) / name.replace(" ", "_")
-            if launch_training(recipe, nproc=2, run_dir=run, trace=trace) != 0:
+            if launch_training(recipe, RunOptions(nproc=2, run_dir=run, trace=trace)) != 0:
                 raise SystemExit(f"{name}: training failed, see {run}/logs")
             ms[name] = step_ms(run, 2, args.warmup)
     base = ms["untraced"]

@@ -34,11 +34,11 @@ class Run:
 
 def train(run_dir: Path, *overrides: str, **launch_kwargs) -> Run:
     """One real 2-rank gloo training run of the tiny hybrid recipe (in-process launcher, spawned ranks)."""
-    from megatron_bitdet.cli.train_cmd import launch_training
     from megatron_bitdet.recipe import load_recipe
+    from megatron_bitdet.train.run import RunOptions, launch_training
 
     recipe = load_recipe(str(RECIPE), [f"training.iterations={ITERATIONS}", *overrides])
-    return Run(run_dir, launch_training(recipe, nproc=2, run_dir=run_dir, **launch_kwargs))
+    return Run(run_dir, launch_training(recipe, RunOptions(nproc=2, run_dir=run_dir, **launch_kwargs)))
 
 
 @pytest.fixture(scope="session")

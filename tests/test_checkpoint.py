@@ -129,7 +129,7 @@ class Wrapped:  # what restore_adam_steps reads of megatron's optimizer: ``.opti
 def test_restored_step_is_kept_where_the_optimizer_counts_it(kind):
     """torch Adam: the per-param step is set, the group copy dropped; a FusedAdam-style optimizer
     keeps the restored group step (dropping it would restart the bias correction on a GPU resume)."""
-    from megatron_bitdet.train.checkpoint import restore_adam_steps
+    from megatron_bitdet.compat.checkpoint import restore_adam_steps
 
     p = torch.nn.Parameter(torch.ones(2))
     inner = torch.optim.Adam([p]) if kind == "torch_adam" else GroupStepAdam([p])

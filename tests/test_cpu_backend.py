@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_bitdet import cpu_backend
-from megatron_bitdet.cpu_backend import seams
+from megatron_bitdet.compat import cpu_backend
+from megatron_bitdet.compat.cpu_backend import seams
 from megatron_bitdet.errors import BitdetError
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU backend is inactive with CUDA")

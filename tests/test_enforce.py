@@ -297,7 +297,7 @@ def test_enable_installs_the_swaps_it_records(clean_env, torch_state):
     from megatron.core.transformer.moe import moe_utils, router
 
     from megatron_bitdet.kernels import moe_aux
-    from megatron_bitdet.patching import applied_patches, revert_patches
+    from megatron_bitdet.compat.patching import applied_patches, revert_patches
 
     for name in ("TORCHINDUCTOR_MAX_AUTOTUNE", "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM"):
         clean_env.setenv(name, "0")  # inductor may already be imported by an earlier test

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from megatron_bitdet import cpu_backend
+from megatron_bitdet.compat import cpu_backend
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.kernels.grouped_mlp import GroupedMLPConfig, GroupedProbMLP, dprob_slots, grouped_prob_mlp
 from megatron_bitdet.kernels.moe_aux import (
@@ -119,7 +119,7 @@ def _aux_worker(rank, rdzv, out):
     dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=2)
     from megatron.core import parallel_state
 
-    from megatron_bitdet.patching import load_declarations, patched
+    from megatron_bitdet.compat.patching import load_declarations, patched
 
     parallel_state.initialize_model_parallel()  # TP1 PP1: DP over the 2 ranks
     probs, local_counts = _router_inputs(TOKENS, EXPERTS, TOPK, seed=100 + rank)

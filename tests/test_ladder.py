@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from megatron_bitdet.analysis.ladder import LadderConfig, run_ladder
+from megatron_bitdet.workflows.ladder import LadderConfig, run_ladder
 from megatron_bitdet.cli import main
-from megatron_bitdet.cli.train_cmd import launch_training
 from megatron_bitdet.recipe import load_recipe
+from megatron_bitdet.train.run import RunOptions, launch_training
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "nemotron_h_tiny.yaml"
@@ -25,7 +25,8 @@ def planted_runs(tmp_path_factory):
     os.chdir(ROOT)  # the ranks (and the ladder) import the example provider from the repository root
     try:
         for name in ("a", "b"):
-            assert launch_training(recipe, nproc=2, run_dir=base / name, model_provider=PLANTED, stop_at=1) == 0
+            assert launch_training(recipe, RunOptions(nproc=2, run_dir=base / name, model_provider=PLANTED,
+                                                      stop_at=1)) == 0
         yield base / "a", base / "b"
     finally:
         os.chdir(cwd)

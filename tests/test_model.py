@@ -7,9 +7,9 @@ import torch
 import torch.distributed as dist
 
 from conftest import RECIPE
-from megatron_bitdet import cpu_backend, patching
-from megatron_bitdet.patching import applied_patches, revert_patches
-from megatron_bitdet.patching.select import select_patches
+from megatron_bitdet.compat import cpu_backend, patching
+from megatron_bitdet.compat.patching import applied_patches, revert_patches
+from megatron_bitdet.compat.patching.select import select_patches
 from megatron_bitdet.recipe import load_recipe
 
 EXPECTED_PATCHES = ["local_final_norm", "ssd_scan", "gated_rmsnorm", "causal_conv1d", "moe_aux_loss",

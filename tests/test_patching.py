@@ -12,11 +12,11 @@ import pytest
 import torch
 import yaml
 
-from megatron_bitdet import cpu_backend
+from megatron_bitdet.compat import cpu_backend
 from megatron_bitdet.errors import BitdetError, BitdetInputError
 from megatron_bitdet.kernels import moe_aux
 from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP
-from megatron_bitdet.patching import (
+from megatron_bitdet.compat.patching import (
     applied_patches,
     apply_patches,
     load_declaration,

@@ -10,7 +10,7 @@ import megatron_bitdet
 from megatron_bitdet import resources
 from megatron_bitdet.cli import main
 from megatron_bitdet.errors import BitdetInputError
-from megatron_bitdet.patching import load_declarations
+from megatron_bitdet.compat.patching import load_declarations
 
 REPO = Path(__file__).resolve().parents[1]
 

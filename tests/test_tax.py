@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from megatron_bitdet.analysis.tax import TaxConfig, measure_tax
-from megatron_bitdet.analysis.tax_worker import op_group
+from megatron_bitdet.workflows.tax import TaxConfig, measure_tax
+from megatron_bitdet.workflows.tax_worker import op_group
 from megatron_bitdet.cli import main
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.recipe import load_recipe

@@ -9,8 +9,9 @@ import torch
 
 from megatron_bitdet.analysis.localize import localize_traces
 from megatron_bitdet.cli import main
-from megatron_bitdet.cli.train_cmd import launch_training
 from megatron_bitdet.recipe import load_recipe
+from megatron_bitdet.trace import TraceConfig
+from megatron_bitdet.train.run import RunOptions, launch_training
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "nemotron_h_tiny.yaml"
@@ -64,8 +65,9 @@ def twins(tmp_path_factory):
         probe.mkdir()
         os.environ[PROBE_ENV] = str(probe)
         try:
-            rc = launch_training(recipe, nproc=2, run_dir=base / name,
-                                 model_provider="tests.test_trace_training:probe_provider", trace=TRACE)
+            rc = launch_training(recipe, RunOptions(nproc=2, run_dir=base / name,
+                                                    model_provider="tests.test_trace_training:probe_provider",
+                                                    trace=TraceConfig.from_json(TRACE)))
         finally:
             os.environ.clear()
             os.environ.update(saved)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from megatron_bitdet.analysis.resume import bitwise_equal, check_resume_at, run_reference, verify_resume
+from megatron_bitdet.workflows.resume import bitwise_equal, check_resume_at, run_reference, verify_resume
 from megatron_bitdet.cli import main
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.recipe import load_recipe

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from megatron_bitdet.analysis.fingerprints_io import DIGEST_PREFIX, RunData, load_run
+from megatron_bitdet.analysis.fingerprints_io import load_run
+from megatron_bitdet.analysis.run_data import RunData
 from megatron_bitdet.enforce.manifest import scope_diff
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_float, first_differing_bit, ulp_distance
+from megatron_bitdet.fingerprint.steps import DIGEST_PREFIX
 
 # "incomplete": the common steps agree, but a step (of the ones asked for) is missing from one run,
 # so the runs were not compared in full: never a match.

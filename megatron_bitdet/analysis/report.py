@@ -21,8 +21,10 @@ from pathlib import Path
 from matplotlib.figure import Figure
 
 from megatron_bitdet.analysis.compare import CompareResult
-from megatron_bitdet.analysis.fingerprints_io import DIGEST_PREFIX, RunData, load_run
+from megatron_bitdet.analysis.fingerprints_io import load_run
+from megatron_bitdet.analysis.run_data import RunData
 from megatron_bitdet.fingerprint.floatbits import decode_float
+from megatron_bitdet.fingerprint.steps import DIGEST_PREFIX
 
 PLOTTED_METRICS = ("loss", "lm_loss", "lm loss", "aux_loss", "load_balancing_loss", "mtp_loss", "grad_norm",
                    "grad-norm")

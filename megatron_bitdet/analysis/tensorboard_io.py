@@ -14,9 +14,10 @@ from pathlib import Path
 
 import torch
 
-from megatron_bitdet.analysis.fingerprints_io import RunData, StepRecord
+from megatron_bitdet.analysis.run_data import RunData
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import encode_float
+from megatron_bitdet.fingerprint.steps import StepRecord
 
 TENSORBOARD_RANK = 0  # Megatron writes TensorBoard from one rank; it is shown as rank 0
 

@@ -9,7 +9,7 @@ import sys
 
 from pathlib import Path
 
-from megatron_bitdet.analysis.ladder import LadderConfig, describe, run_ladder
+from megatron_bitdet.workflows.ladder import LadderConfig, describe, run_ladder
 from megatron_bitdet.analysis.localize import FALSE_ALARMS, MATCH, LocalizeConfig, localize_traces
 from megatron_bitdet.trace.format import LEVELS, trace_dir
 

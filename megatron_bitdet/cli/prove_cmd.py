@@ -35,8 +35,8 @@ def run(args) -> int:
 
     from rich.console import Console
 
-    from megatron_bitdet.analysis.prove import ProveConfig, prove, verdict_table
-    from megatron_bitdet.analysis.resume import parse_resume_at
+    from megatron_bitdet.workflows.prove import ProveConfig, prove, verdict_table
+    from megatron_bitdet.workflows.resume import parse_resume_at
 
     recipe = load_run_recipe(args)
     resume_at = parse_resume_at(args.resume_at) if args.resume_at else None

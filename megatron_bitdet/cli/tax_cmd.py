@@ -28,45 +28,10 @@ def register(subparsers, summary):
     p.set_defaults(func=run)
 
 
-def tax_table(result):
-    """Rich table: one column per configuration, the baseline marked."""
-    from rich.markup import escape
-    from rich.table import Table
-
-    sides = [result.deterministic, *result.candidates]
-    table = Table(title=f"determinism tax: {result.tax_percent:+.2f}%  (paired {result.paired_tax_percent:+.2f}%)")
-    table.add_column("")
-    for s in sides:
-        table.add_column(escape(s.name) + (" ◀ baseline" if s is result.baseline else ""), justify="right")
-    rows = [
-        ("step time median (ms)", lambda s: f"{s.median_ms:.2f}"),
-        ("p10 – p90 (ms)", lambda s: f"{s.p10_ms:.1f} – {s.p90_ms:.1f}"),
-        ("tokens/s", lambda s: f"{s.tokens_per_s:,.0f}"),
-        ("comm time median (ms)", lambda s: f"{s.comm_ms:.2f}"),
-        ("peak memory (MiB)", lambda s: f"{s.peak_memory_mib:.1f}"),
-        ("torch deterministic algorithms", lambda s: "/".join(map(str, s.det_algorithms_enabled))),
-    ]
-    groups = sorted({g for s in sides for g in s.op_groups_ms})
-    rows += [(f"  {g} (ms, profiled)", lambda s, g=g: f"{s.op_groups_ms.get(g, 0.0):.2f}") for g in groups]
-    for label, fn in rows:
-        table.add_row(label, *[fn(s) for s in sides])
-    return table
-
-
-def print_tax(result, console) -> None:
-    """Table, notes and summary (names like ``baseline[grouped]`` escaped from rich markup)."""
-    from rich.markup import escape
-
-    console.print(tax_table(result))
-    for note in result.notes:
-        console.print(f"• {escape(note)}")
-    console.print(escape(result.summary()))
-
-
 def run(args) -> int:
     from rich.console import Console
 
-    from megatron_bitdet.analysis.tax import measure_tax
+    from megatron_bitdet.workflows.tax import measure_tax, print_tax
 
     recipe = load_run_recipe(args)
     if args.model_provider:

@@ -4,7 +4,6 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 EXAMPLES = """examples:
   bitdet train --recipe nemotron_h_tiny --deterministic-mode --nproc 2 --run-dir runs/a
@@ -59,8 +58,8 @@ def add_trace_args(p) -> None:
     g.add_argument("--trace-hash", default="fast", metavar="HASH", help="tensor digest: fast (default), exact, xor")
 
 
-def trace_settings(args) -> dict | None:
-    """The ``trace`` dict ``launch_training`` takes, validated here (exit 2 before any rank starts)."""
+def trace_settings(args):
+    """The run's ``TraceConfig`` from the tracing flags, validated here (exit 2 before any rank starts)."""
     from megatron_bitdet.analysis.compare import parse_ranks
     from megatron_bitdet.errors import BitdetInputError
     from megatron_bitdet.trace import TraceConfig
@@ -79,8 +78,7 @@ def trace_settings(args) -> dict | None:
         if not 1 <= steps[0] <= steps[1]:
             raise BitdetInputError(f"--trace-steps {args.trace_steps}: need 1 <= A <= B")
     ranks = parse_ranks(args.trace_ranks) if args.trace_ranks else None
-    TraceConfig(args.trace, tuple(steps), frozenset(ranks) if ranks else None, args.trace_hash)
-    return {"level": args.trace, "steps": steps, "ranks": ranks, "hash": args.trace_hash}
+    return TraceConfig(args.trace, tuple(steps), frozenset(ranks) if ranks else None, args.trace_hash)
 
 
 def load_run_recipe(args):
@@ -90,74 +88,6 @@ def load_run_recipe(args):
     if args.deterministic_mode:
         overrides.append("determinism.mode=true")
     return load_recipe(args.recipe, overrides)
-
-
-def check_layout(recipe, nproc: int) -> None:
-    from megatron_bitdet.errors import BitdetInputError
-
-    p = recipe.parallel
-    if recipe.model.has("E") and p.tensor > 1 and not p.sequence_parallel:
-        raise BitdetInputError(f"parallel.tensor={p.tensor} with MoE layers needs parallel.sequence_parallel=true "
-                               "(megatron-core refuses MoE with tensor parallelism but without sequence parallelism)")
-    model_parallel = p.tensor * p.pipeline * p.context
-    if nproc % model_parallel:
-        raise BitdetInputError(f"--nproc {nproc} is not divisible by tensor x pipeline x context = {model_parallel}")
-    if recipe.model.moe.num_experts:
-        expert_parallel = p.expert * p.expert_tensor * p.pipeline
-        if nproc % expert_parallel:
-            raise BitdetInputError(
-                f"--nproc {nproc} is not divisible by expert x expert_tensor x pipeline = {expert_parallel}"
-            )
-        if recipe.model.moe.num_experts % p.expert:
-            raise BitdetInputError(f"model.moe.num_experts={recipe.model.moe.num_experts} is not divisible by "
-                                   f"parallel.expert={p.expert}")
-    dp = nproc // model_parallel
-    t = recipe.training
-    if t.lr_schedule.warmup_iters >= t.iterations:
-        raise BitdetInputError(f"training.lr_schedule.warmup_iters={t.lr_schedule.warmup_iters} must be < "
-                               f"training.iterations={t.iterations} (megatron's scheduler needs decay steps)")
-    if t.global_batch_size % (t.micro_batch_size * dp):
-        raise BitdetInputError(f"training.global_batch_size={t.global_batch_size} is not divisible by "
-                               f"micro_batch_size x data-parallel size = {t.micro_batch_size} x {dp}")
-
-
-def child_env(recipe) -> dict:
-    """The canonical determinism environment, validated here and handed to every rank before its
-    interpreter starts (NCCL, cuBLAS and TE read these at first use)."""
-    from megatron_bitdet.enforce import plan
-    from megatron_bitdet.enforce.env import effective_env
-    from megatron_bitdet.errors import DeterminismViolation
-
-    env = {"PYTHONUNBUFFERED": "1"}
-    if sys.stdout.isatty():
-        env["BITDET_INTERACTIVE"] = "1"
-    if not recipe.determinism.mode:
-        return env
-    settings, _, violations, _ = plan(recipe, late=False)
-    if violations:
-        raise DeterminismViolation(violations)
-    env.update(effective_env(settings))
-    return env
-
-
-def launch_training(recipe, *, nproc: int, run_dir, save=None, save_interval=None, load=None,
-                    model_provider=None, stop_at=None, argv=None, snapshot_at=(), fault_skip_restore=(),
-                    trace=None) -> int:
-    """Train ``recipe`` on ``nproc`` local ranks (or join torchrun); returns the exit code.
-
-    ``trace``: None (off) or ``{"level", "steps": [a, b], "ranks": [...] | None, "hash"}``."""
-    from megatron_bitdet.train.launch import launch
-
-    check_layout(recipe, nproc)
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    interval = recipe.checkpoint.save_interval if save_interval is None else save_interval
-    args = {
-        "recipe": recipe.to_dict(), "run_dir": str(run_dir), "save": save, "save_interval": interval,
-        "load": load, "model_provider": model_provider, "stop_at": stop_at, "argv": argv,
-        "snapshot_at": list(snapshot_at), "fault_skip_restore": list(fault_skip_restore), "trace": trace,
-    }
-    return launch("megatron_bitdet.train.worker:worker", nproc, args, run_dir=run_dir, env=child_env(recipe),
-                  console_rank=-1)
 
 
 def run(args) -> int:
@@ -173,7 +103,9 @@ def run(args) -> int:
 
         # an incomplete, foreign or corrupt checkpoint is refused before any rank starts
         verify_checkpoint(resolve_checkpoint(args.load))
-    return launch_training(
-        recipe, nproc=args.nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval,
-        load=args.load, model_provider=args.model_provider, stop_at=args.stop_at, argv=sys.argv, trace=trace,
-    )
+    from megatron_bitdet.train.run import RunOptions, launch_training
+
+    return launch_training(recipe, RunOptions(
+        nproc=args.nproc, run_dir=args.run_dir, save=args.save, save_interval=args.save_interval, load=args.load,
+        model_provider=args.model_provider, stop_at=args.stop_at, argv=sys.argv, trace=trace,
+    ))

@@ -40,7 +40,7 @@ def register(subparsers, summary: str) -> None:
 
 
 def run(args) -> int:
-    from megatron_bitdet.analysis.resume import check_resume_at, parse_resume_at, verify_resume
+    from megatron_bitdet.workflows.resume import check_resume_at, parse_resume_at, verify_resume
 
     recipe = load_run_recipe(args)
     resume_at = check_resume_at(parse_resume_at(args.resume_at), recipe.training.iterations)

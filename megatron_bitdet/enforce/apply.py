@@ -30,7 +30,7 @@ def plan(recipe, environ=None, available_swaps=None, *, late=True):
     ``available_swaps`` defaults to every patch declared in ``patches/``."""
     environ = os.environ if environ is None else environ
     if available_swaps is None:
-        from megatron_bitdet.patching import declared_ids
+        from megatron_bitdet.compat.patching import declared_ids
 
         available_swaps = declared_ids()
     settings, env_problems = resolve_env(recipe, environ)
@@ -64,7 +64,7 @@ def _install_swaps(swaps) -> list:
     Megatron-LM script included), after the environment is set (the targets import mamba_ssm etc.)."""
     if not swaps:
         return []
-    from megatron_bitdet import cpu_backend, patching
+    from megatron_bitdet.compat import cpu_backend, patching
 
     cpu_backend.install()  # no-op on a GPU; on CPU some target modules import GPU-only packages
     return patching.install(patching.swap_patches(swaps))

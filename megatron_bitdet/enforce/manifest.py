@@ -12,6 +12,7 @@ import sys
 from megatron_bitdet.enforce.env import EMULATED_RING_ENV, ENV_TABLE
 from megatron_bitdet.enforce.facts import package_versions
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.rundir import manifest_path
 
 MANIFEST_KEYS = ("bitdet_version", "created", "recipe", "recipe_digest", "scope", "env", "rules", "patches", "argv")
 
@@ -118,7 +119,7 @@ def build_manifest(recipe, enforcement, *, world_size: int, argv=None, extra=Non
 def write_manifest(run_dir, manifest: dict) -> str:
     """Atomically write RUN_DIR/manifest.json (tmp file + os.replace); returns its path."""
     os.makedirs(run_dir, exist_ok=True)
-    path = os.path.join(run_dir, "manifest.json")
+    path = str(manifest_path(run_dir))
     tmp = f"{path}.tmp.{os.getpid()}"
     with open(tmp, "w", encoding="utf-8") as fh:
         json.dump(manifest, fh, indent=2, sort_keys=True)
@@ -132,7 +133,7 @@ def write_manifest(run_dir, manifest: dict) -> str:
 def load_manifest(path) -> dict:
     """Read a manifest (a file, or a run dir holding manifest.json); BitdetInputError when unusable."""
     if os.path.isdir(path):
-        path = os.path.join(path, "manifest.json")
+        path = str(manifest_path(path))
     try:
         with open(path, encoding="utf-8") as fh:
             manifest = json.load(fh)

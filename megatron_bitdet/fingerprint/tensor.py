@@ -151,7 +151,7 @@ def chunk_digests(t: torch.Tensor, chunks: int) -> list[str]:
     return [pos_digest(c) for c in torch.tensor_split(flat, chunks)]
 
 
-def _int_view(t: torch.Tensor) -> torch.Tensor:
+def hashable_view(t: torch.Tensor) -> torch.Tensor:
     """float8 / bool / complex as same-width integers (hash_tensor does not take them everywhere)."""
     if t.is_floating_point() and t.element_size() == 1 or t.dtype == torch.bool:
         return t.view(torch.uint8)
@@ -165,7 +165,7 @@ def xor_digest(t: torch.Tensor) -> str | None:
     if not hasattr(torch, "hash_tensor") or t.numel() == 0:
         return None
     try:
-        return hex64(torch.hash_tensor(_int_view(t.detach())).item())
+        return hex64(torch.hash_tensor(hashable_view(t.detach())).item())
     except (NotImplementedError, RuntimeError):
         return None
 

@@ -99,11 +99,12 @@ def stack_spec(recipe, *, grouped_gemm: bool = False):
     ``grouped_gemm``: TE grouped-GEMM experts (the config's moe_grouped_gemm: te_grouped, not swapped)."""
     from megatron_bitdet.model import specs
 
-    kwargs = {"num_experts": recipe.model.moe.num_experts,
-              "mamba_params": {"chunk_size": recipe.model.mamba.chunk_size, "d_conv": recipe.model.mamba.conv_kernel}}
-    if resolve_spec_family(recipe) == "te":
+    family = resolve_spec_family(recipe)
+    kwargs = dict(num_experts=recipe.model.moe.num_experts,
+                  mamba_params={"chunk_size": recipe.model.mamba.chunk_size, "d_conv": recipe.model.mamba.conv_kernel})
+    if family == "te":
         return specs.te_stack_spec(**kwargs, grouped_gemm=grouped_gemm)
-    return specs.local_stack_spec(**kwargs)
+    return specs.local_stack_spec(**kwargs, expert_impl=recipe.model.moe.expert_impl)
 
 
 def default_model_provider(recipe, config, *, pre_process: bool = True, post_process: bool = True):

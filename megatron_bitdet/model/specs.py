@@ -1,9 +1,9 @@
 """Layer specs for the hybrid Nemotron stack: what is built is data (megatron ModuleSpec).
 
-``local``: pure torch, runs anywhere (CPU included); Mamba kernels, the final norm and (with
-``expert_impl: grouped``) the experts are bitdet's, swapped in by ``patches/`` before the spec is
-built. ``te``: Transformer Engine's fused layers
-(megatron's own ``mamba_stack_spec``), used when TE imports.
+``local``: pure torch, runs anywhere (CPU included); the Mamba kernels and the final norm are bitdet's,
+swapped in by ``patches/`` before the spec is built, and with ``expert_impl: grouped`` the experts are
+bitdet's GroupedProbMLP, chosen through megatron's own backend spec provider seam. ``te``: Transformer
+Engine's fused layers (megatron's own ``mamba_stack_spec``), used when TE imports.
 """
 from __future__ import annotations
 
@@ -26,7 +26,22 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
+from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP
 from megatron_bitdet.model.norm import LocalNorm
+
+
+class ExpertSpecProvider(LocalSpecProvider):
+    """megatron's local backend, except that ``model.moe.expert_impl: grouped`` gets GroupedProbMLP
+    (private-slot dprob; a SequentialMLP subclass: same weights and checkpoints)."""
+
+    def __init__(self, expert_impl: str = "sequential"):
+        self.expert_impl = expert_impl
+
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
+        module, submodules = super().grouped_mlp_modules(moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+        if self.expert_impl == "grouped" and not moe_use_grouped_gemm:
+            module = GroupedProbMLP
+        return module, submodules
 
 
 def te_available() -> bool:
@@ -38,14 +53,14 @@ def te_available() -> bool:
     return True
 
 
-def local_stack_spec(*, num_experts: int = 0, mamba_params=None) -> ModuleSpec:
+def local_stack_spec(*, num_experts: int = 0, mamba_params=None, expert_impl: str = "sequential") -> ModuleSpec:
     """The pure-torch hybrid stack: Mamba-2, attention, MLP and MoE layers."""
     moe_layer = None
     if num_experts:
         moe_layer = ModuleSpec(
             module=MoETransformerLayer,
             submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=LocalNorm, mlp=get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=num_experts), mlp_bda=get_bias_dropout_add
+                pre_mlp_layernorm=LocalNorm, mlp=get_moe_module_spec_for_backend(ExpertSpecProvider(expert_impl), num_experts=num_experts), mlp_bda=get_bias_dropout_add
             ),
         )
     return ModuleSpec(

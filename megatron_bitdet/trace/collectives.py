@@ -2,21 +2,19 @@
 
 Inputs are fingerprinted before the call, outputs after completion: for async ops at `wait()` of the
 returned Work (wrapped). Each record names its peers (group ranks, src / dst as global ranks) so the
-analysis can follow a differing input to the rank that sent it. Megatron binds some functions at
-import (`dist_all_gather_func = torch.distributed.all_gather_into_tensor`); those module aliases are
-swapped too.
+analysis can follow a differing input to the rank that sent it. ``compat.collectives`` swaps them in
+wherever megatron bound them.
 """
 from __future__ import annotations
 
 import functools
 import inspect
-import sys
 import threading
 from contextlib import contextmanager
 
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
+from megatron_bitdet.compat.collectives import swap_collectives
 from megatron_bitdet.trace.digest import trace_tensors
 
 # name -> (argument names holding inputs, argument names holding outputs)
@@ -162,33 +160,6 @@ def _wrap_batch(tracer, orig):
                     r()
         return [TracedWork(w, one_done) for w in works]
     return wrapper
-
-
-def _targets():
-    """Modules whose attributes may hold the torch.distributed functions (ours and megatron's aliases)."""
-    mods = [dist, c10d]
-    mods += [m for n, m in list(sys.modules.items()) if n.startswith("megatron.core") and m is not None]
-    return mods
-
-
-@contextmanager
-def swap_collectives(wrap, names):
-    """Replace the c10d functions ``names`` by ``wrap(name, fn)`` wherever they are bound —
-    torch.distributed, c10d and megatron's import-time aliases — and restore them on exit.
-    Yields the swapped bindings as ``"module:attr"`` strings."""
-    wrappers = {id(f): wrap(n, f) for n in names if (f := getattr(c10d, n, None)) is not None}
-    swapped = []
-    for mod in _targets():
-        for attr, val in list(vars(mod).items()):
-            w = wrappers.get(id(val)) if callable(val) else None
-            if w is not None:
-                setattr(mod, attr, w)
-                swapped.append((mod, attr, val))
-    try:
-        yield [f"{mod.__name__}:{attr}" for mod, attr, _ in swapped]
-    finally:
-        for mod, attr, val in swapped:
-            setattr(mod, attr, val)
 
 
 @contextmanager

@@ -11,7 +11,7 @@ import ctypes
 import torch
 import xxhash
 
-from megatron_bitdet.fingerprint.tensor import _int_view, dtype_name, exact_digest, hex64, pos_digest_tensor
+from megatron_bitdet.fingerprint.tensor import dtype_name, exact_digest, hashable_view, hex64, pos_digest_tensor
 
 HASHES = ("fast", "exact", "xor")
 _CHAR_ARRAYS: dict[int, type] = {}
@@ -40,7 +40,7 @@ def digest(t: torch.Tensor, mode: str):
     if mode == "exact":
         return p + exact_digest(t)
     if mode == "xor":
-        return p + hex64(torch.hash_tensor(_int_view(t.detach())).item())
+        return p + hex64(torch.hash_tensor(hashable_view(t.detach())).item())
     if t.device.type == "cpu":
         t, layout = _dense_view(t)
         return p + layout + f"{xxhash.xxh3_64_intdigest(_host_buffer(t)):016x}"

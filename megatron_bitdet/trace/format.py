@@ -11,18 +11,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.rundir import trace_dir, trace_path  # noqa: F401  (rundir owns the paths)
 
 FORMAT = "bitdet-trace"
 VERSION = 1
 LEVELS = ("semantic", "module", "op")
-
-
-def trace_dir(run_dir) -> Path:
-    return Path(run_dir) / "traces"
-
-
-def trace_path(run_dir, rank: int) -> Path:
-    return trace_dir(run_dir) / f"rank_{rank:05d}.trace.jsonl"
 
 
 def event_id(rec: dict) -> str:

@@ -32,6 +32,16 @@ class TraceConfig:
         if self.hash not in HASHES:
             raise BitdetInputError(f"trace hash {self.hash!r}: expected one of {', '.join(HASHES)}")
 
+    def to_json(self) -> dict:
+        """The form the ranks receive and the manifest records."""
+        return {"level": self.level, "steps": list(self.steps),
+                "ranks": None if self.ranks is None else sorted(self.ranks), "hash": self.hash}
+
+    @classmethod
+    def from_json(cls, d: dict) -> "TraceConfig":
+        ranks = d.get("ranks")
+        return cls(d["level"], tuple(d["steps"]), None if ranks is None else frozenset(ranks), d.get("hash", "fast"))
+
 
 class Tracer:
     """Write this rank's trace under RUN_DIR/traces/. No collectives, no cross-rank ordering."""

@@ -19,15 +19,11 @@ import numpy as np
 import torch
 import xxhash
 
+from megatron_bitdet.compat.checkpoint import SHARDED_METADATA, load_optimizer_state, prepare_optimizer_for_load
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.rundir import LATEST, iter_dir
 
 META = "bitdet_meta.json"
-LATEST = "latest"
-SHARDED_METADATA = {"distrib_optim_sharding_type": "dp_reshardable", "singleton_local_shards": False}
-
-
-def iter_dir(root, iteration: int) -> Path:
-    return Path(root) / f"iter_{iteration:07d}"
 
 
 # ----------------------------------------------------------------------------- RNG
@@ -207,43 +203,6 @@ def verify_checkpoint(path: Path) -> dict:
     return meta
 
 
-def _saved_steps(tree) -> set:
-    """Every ``param_groups[*].step`` in a loaded (possibly chained) optimizer state dict."""
-    if isinstance(tree, dict):
-        found = {float(g["step"]) for g in tree.get("param_groups", []) if isinstance(g, dict) and "step" in g}
-        for key, value in tree.items():
-            if key != "param_groups":
-                found |= _saved_steps(value)
-        return found
-    return set()
-
-
-def keeps_per_param_step(inner) -> bool:
-    """torch's Adam/AdamW count steps per parameter (``state[p]["step"]``); TE's and apex's FusedAdam
-    (megatron's optimizer when Transformer Engine is present) count them in ``param_groups[i]["step"]``."""
-    return type(inner).__module__.startswith("torch.optim")
-
-
-def restore_adam_steps(optimizer, loaded: dict) -> None:
-    """megatron 0.16.1 + torch Adam restores "step" wrongly on two counts: the dp_reshardable loader
-    copies the (unsaved) per-param step back over the restored one, and the restored ones share a
-    single tensor that torch increments once per param. Each param gets its own copy of the saved step,
-    and the serialized copy megatron leaves in each param group is dropped, so the live state equals
-    an uninterrupted run's. A FusedAdam keeps its step in the group: that restored copy is its step,
-    and stays (dropping it would restart Adam's bias correction)."""
-    steps = _saved_steps(loaded)
-    if len(steps) > 1:
-        raise BitdetInputError(f"checkpoint optimizer state holds inconsistent steps {sorted(steps)}")
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if not keeps_per_param_step(opt.optimizer):
-            continue
-        for param_state in opt.optimizer.state.values():
-            if "step" in param_state and steps:
-                param_state["step"] = torch.tensor(next(iter(steps)), dtype=torch.float32)
-        for group in opt.optimizer.param_groups:
-            group.pop("step", None)  # the serialized copy; torch Adam reads only the per-param step
-
-
 def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int) -> tuple[int, dict]:
     """Collective. Restores model, optimizer, scheduler; returns (iteration, this rank's state)."""
     from megatron.core import dist_checkpointing
@@ -256,13 +215,7 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
             "resume needs the same layout"
         )
     rank = torch.distributed.get_rank()
-    # A fresh optimizer has no state yet; megatron needs the tensors to exist to describe the shards.
-    # Its torch-Adam init_state_fn omits "step", which the distributed optimizer's state_dict reads.
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        if opt.init_state_fn is not None:
-            opt.init_state_fn(opt.optimizer, opt.config)
-            for param_state in opt.optimizer.state.values() if keeps_per_param_step(opt.optimizer) else ():
-                param_state.setdefault("step", torch.tensor(0.0))
+    prepare_optimizer_for_load(optimizer)
     template = _sharded_state_dict(
         ddp_modules, optimizer, rank=rank, world=world_size, is_loading=True,
         extra={"rank_state": None, "scheduler": None, "iteration": None},
@@ -271,8 +224,6 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
     keys = [k for k in state if k.startswith("model")]
     for key, m in zip(sorted(keys), ddp_modules):
         m.module.load_state_dict(state[key], strict=True)
-    with torch.no_grad():  # megatron copies into leaf params in place (no_grad is missing upstream)
-        optimizer.load_state_dict(state["optimizer"])
-    restore_adam_steps(optimizer, state["optimizer"])
+    load_optimizer_state(optimizer, state["optimizer"])
     scheduler.load_state_dict(state["scheduler"])
     return int(state["iteration"]), state["bitdet_rank_state"]

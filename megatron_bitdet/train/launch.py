@@ -37,6 +37,7 @@ import threading
 from pathlib import Path
 
 from megatron_bitdet.errors import BitdetError, BitdetInputError
+from megatron_bitdet.rundir import log_path, logs_dir
 
 TAIL_LINES = 20
 TERMINATE_GRACE_S = 5.0
@@ -148,9 +149,8 @@ def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank)
         args_json = json.dumps(args)
     except TypeError as exc:
         raise BitdetInputError(f"worker args must be JSON-serializable: {exc}") from exc
-    log_dir = Path(run_dir) / "logs" if run_dir is not None else None
-    if log_dir:
-        log_dir.mkdir(parents=True, exist_ok=True)
+    if run_dir is not None:
+        logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "megatron_bitdet.train.launch", worker_fn_path, args_json, backend or ""]
     base = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
             "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "PYTHONUNBUFFERED": "1"}
@@ -159,13 +159,13 @@ def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank)
     try:
         for r in range(nproc):
             rank = _Rank(r, cmd, {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         log_dir / f"rank_{r:05d}.log" if log_dir else None, console=r == console_rank % nproc)
+                         log_path(run_dir, r) if run_dir is not None else None, console=r == console_rank % nproc)
             ranks.append(rank)
             threading.Thread(target=lambda k=rank: exits.put((k, k.proc.wait())), daemon=True).start()
         for _ in range(nproc):  # exit order as it happens: the first failure is the culprit
             rank, rc = exits.get()
             if rc != 0:
-                _report(rank, rc, nproc, log_dir)
+                _report(rank, rc, nproc, run_dir)
                 return rc if rc > 0 else 128 - rc
         return 0
     finally:
@@ -182,14 +182,14 @@ def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank)
             k.close()
 
 
-def _report(rank: _Rank, rc: int, nproc: int, log_dir: Path | None) -> None:
+def _report(rank: _Rank, rc: int, nproc: int, run_dir) -> None:
     rank.close()  # drain its output first so the tail is complete
     lines = [f"bitdet launch: rank {rank.rank} of {nproc} failed ({_describe(rc)}); terminating the other ranks."]
     if rank.tail:
         lines.append(f"last lines of rank {rank.rank}'s stderr:")
         lines += [f"  | {t}" for t in rank.tail]
-    if log_dir:
-        lines.append(f"full log: {log_dir / f'rank_{rank.rank:05d}.log'}")
+    if run_dir is not None:
+        lines.append(f"full log: {log_path(run_dir, rank.rank)}")
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 
 import torch
 
+from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 from megatron_bitdet.train.console import Console
 from megatron_bitdet.train.module_state import buffers_digest, capture_module_rng, generators_digest
-from megatron_bitdet.train.step_fingerprints import StepFingerprintWriter, buffer_digest, ddp_buffers
+from megatron_bitdet.train.step_fingerprints import buffer_digest, ddp_buffers
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -25,7 +27,8 @@ def _loss_func(loss_mask, output_tensor):
     return loss, num_tokens, {"lm loss": torch.stack([loss.detach(), num_tokens.detach().float()])}
 
 
-def _forward_step(data_iterator, model):
+def forward_step(data_iterator, model):
+    """megatron's ``forward_step_func``: the next micro-batch through the model, and its loss function."""
     batch = next(data_iterator)
     output = model(batch["tokens"], batch["position_ids"], batch["attention_mask"], labels=batch["labels"])
     return output, partial(_loss_func, batch["loss_mask"])
@@ -119,10 +122,9 @@ def _traced_step(tracer, state, step: int):
 def _scratch_is_uninit(tracer) -> None:
     """megatron's global memory buffer is scratch (e.g. the beta=0 operand of attention's baddbmm):
     its contents at a step's start mean nothing, like an aten.empty output's (op-level tracking)."""
-    from megatron.core import parallel_state as ps
+    from megatron_bitdet.compat.buffers import scratch_buffers
 
-    buffer = ps._GLOBAL_MEMORY_BUFFER
-    for t in (buffer.buffer.values() if buffer is not None else ()):
+    for t in scratch_buffers():
         tracer.uninit[t.data_ptr()] = None
 
 
@@ -151,6 +153,39 @@ def _optimizer_step(state, tracer):
     return result
 
 
+@dataclass
+class StepOutput:
+    losses: list          # megatron's per-micro-batch loss reports (empty off the last pipeline stage)
+    ok: bool              # False: the optimizer skipped the step
+    grad_norm: float | None
+    lr: float             # the learning rate the step used
+    grads_digest: str | None = None
+
+
+def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, digest_grads: bool = False) -> StepOutput:
+    """One training step as megatron-LM runs it: zero the gradient buffers, forward and backward over
+    every micro-batch, optimizer step, scheduler step. Traced when ``tracer``'s window holds ``step``;
+    ``digest_grads`` fingerprints the reduced gradients before the optimizer consumes them."""
+    model, recipe = state.ddp_modules, state.recipe
+    for m in model:
+        m.zero_grad_buffer()
+    state.optimizer.zero_grad()
+    grads_digest = None
+    with _traced_step(tracer, state, step) as tr:
+        losses = forward_backward(
+            forward_step_func=forward_step, data_iterator=data, model=model,
+            num_microbatches=data.num_microbatches, seq_length=recipe.model.seq_length,
+            micro_batch_size=recipe.training.micro_batch_size, forward_only=False,
+        )
+        if digest_grads:
+            with _untraced(tr):
+                grads_digest = buffer_digest(model, "grad_data")
+        ok, grad_norm, _ = _optimizer_step(state, tr)
+    lr = state.optimizer.param_groups[0]["lr"]
+    state.scheduler.step(increment=1)
+    return StepOutput(losses, ok, grad_norm, lr, grads_digest)
+
+
 def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root, save_interval: int,
                 manifest: dict, console: Console, snapshot_at=frozenset(), tracer=None) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -167,20 +202,8 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
     try:
         for step in range(start + 1, stop + 1):
             t0 = time.perf_counter()
-            for m in model:
-                m.zero_grad_buffer()
-            state.optimizer.zero_grad()
-            with _traced_step(tracer, state, step) as tr:
-                losses = forward_backward(
-                    forward_step_func=_forward_step, data_iterator=data, model=model,
-                    num_microbatches=data.num_microbatches, seq_length=recipe.model.seq_length,
-                    micro_batch_size=recipe.training.micro_batch_size, forward_only=False,
-                )
-                with _untraced(tr):
-                    grads_digest = buffer_digest(model, "grad_data")
-                ok, grad_norm, _ = _optimizer_step(state, tr)
-            lr = state.optimizer.param_groups[0]["lr"]
-            state.scheduler.step(increment=1)
+            out = train_step(state, data, forward_backward, tracer=tracer, step=step, digest_grads=True)
+            losses, ok, grad_norm, lr, grads_digest = out.losses, out.ok, out.grad_norm, out.lr, out.grads_digest
             elapsed = time.perf_counter() - t0
             lm_loss = _lm_loss(losses)
             aux = _moe_aux_losses(recipe, data.num_microbatches)

@@ -123,10 +123,9 @@ def build_trainable(recipe, *, swaps, provider, enforcement=None, patches=(), se
 def setup(recipe, enforcement, *, provider) -> TrainState:
     """Order matters: CPU seams before megatron modules that import GPU packages, patches before the
     spec is built, parallel state and seeds before the model."""
-    from megatron_bitdet import cpu_backend, patching
+    from megatron_bitdet.compat import cpu_backend, patching
     from megatron_bitdet.model.builder import resolve_spec_family
-
-    from megatron_bitdet.patching import reductions
+    from megatron_bitdet.train import reductions
 
     seams = cpu_backend.install()
     swaps = enforcement.rules.swaps

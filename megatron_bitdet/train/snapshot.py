@@ -11,16 +11,13 @@ from pathlib import Path
 
 import torch
 
+from megatron_bitdet.rundir import snapshot_path
 from megatron_bitdet.train.checkpoint import capture_rng
 from megatron_bitdet.train.module_state import capture_module_rng, module_buffers
 
 # Restore components a fault-injection test may skip (``--fault-skip-restore``); never set in real runs.
 FAULTS = ("rng.python", "rng.numpy", "rng.torch_cpu", "rng.tracker", "rng.module", "data", "optimizer.exp_avg",
           "scheduler")
-
-
-def snapshot_path(run_dir, step: int, rank: int) -> Path:
-    return Path(run_dir) / "snapshots" / f"iter_{step:07d}" / f"rank_{rank:05d}.pt"
 
 
 def _optimizer_state(optimizer) -> dict:

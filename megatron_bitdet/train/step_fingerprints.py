@@ -1,46 +1,8 @@
-"""Per-step fingerprints: one flushed JSON line per step per rank (format in docs/DESIGN.md)."""
+"""What a training step's fingerprint line holds, taken from megatron's DDP buffers (the line's
+format and writer: ``fingerprint.steps``)."""
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-
-from megatron_bitdet.fingerprint import encode_float
 from megatron_bitdet.fingerprint.tensor import state_digest
-
-FORMAT_VERSION = 1
-
-
-def fingerprint_path(run_dir, rank: int) -> Path:
-    return Path(run_dir) / "fingerprints" / f"rank_{rank:05d}.jsonl"
-
-
-class StepFingerprintWriter:
-    """Appends whole lines only, each flushed to the OS at once: a crashed or killed rank loses at most
-    the step in flight. fsync (surviving a machine crash too) happens at close, not per step: it was
-    two thirds of the fingerprint cost."""
-
-    def __init__(self, run_dir, rank: int):
-        path = fingerprint_path(run_dir, rank)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        self.rank = rank
-        self._f = open(path, "a", encoding="utf-8")
-
-    def write(self, step: int, metrics: dict, digests: dict) -> None:
-        line = {
-            "v": FORMAT_VERSION,
-            "step": step,
-            "rank": self.rank,
-            "metrics": {k: encode_float(v) for k, v in metrics.items() if v is not None},
-            "digests": digests,
-        }
-        self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.flush()
-        os.fsync(self._f.fileno())
-        self._f.close()
 
 
 def ddp_buffers(ddp_modules, attr: str) -> list:

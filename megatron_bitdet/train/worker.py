@@ -36,33 +36,41 @@ def enforce(rank: int, world_size: int, *, recipe: dict, **_unused) -> None:
     _ENFORCEMENT.update(recipe=recipe, enforcement=enforcement)
 
 
-def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str | None = None,
-           save_interval: int = 0, load: str | None = None, model_provider: str | None = None,
-           stop_at: int | None = None, argv: list | None = None, snapshot_at: list | None = None,
-           fault_skip_restore: list | None = None, trace: dict | None = None) -> int:
+def enforced() -> tuple:
+    """(recipe, enforcement) as ``enforce`` left them in this process (rank-side workers read them)."""
+    if not _ENFORCEMENT:
+        raise RuntimeError("enforce() has not run in this process")
+    return _ENFORCEMENT["recipe"], _ENFORCEMENT["enforcement"]
+
+
+def worker(rank: int, world_size: int, *, recipe: dict, options: dict) -> int:
+    """``options``: ``train.run.RunOptions.to_json()``."""
     from megatron.core import parallel_state as ps
 
     from megatron_bitdet.enforce import build_manifest, write_manifest
     from megatron_bitdet.enforce.manifest import gather_placement
     from megatron_bitdet.model.builder import load_model_provider
+    from megatron_bitdet.rundir import checkpoints_dir, fingerprints_dir
     from megatron_bitdet.train import checkpoint
     from megatron_bitdet.train.data import build_train_data
     from megatron_bitdet.train.loop import train_steps
+    from megatron_bitdet.train.run import RunOptions
     from megatron_bitdet.train.setup import setup
     from megatron_bitdet.train.module_state import restore_module_rng
     from megatron_bitdet.train.snapshot import inject_restore_faults, take_snapshot
 
     if not _ENFORCEMENT:
         enforce(rank, world_size, recipe=recipe)
-    recipe, enforcement = _ENFORCEMENT["recipe"], _ENFORCEMENT["enforcement"]
-    provider = load_model_provider(model_provider)
+    recipe, enforcement = enforced()
+    opts = RunOptions.from_json(options)
+    provider = load_model_provider(opts.model_provider)
     state = setup(recipe, enforcement, provider=provider)
-    run_dir = Path(run_dir)
+    run_dir = Path(opts.run_dir)
     manifest = build_manifest(
-        recipe, enforcement, world_size=world_size, argv=argv, placement=gather_placement(),
-        model_provider=model_provider,
-        extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams, "model_provider": model_provider,
-               "trace": trace},
+        recipe, enforcement, world_size=world_size, argv=None if opts.argv is None else list(opts.argv),
+        placement=gather_placement(), model_provider=opts.model_provider,
+        extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams,
+               "model_provider": opts.model_provider, "trace": options["trace"]},
     )
     if rank == 0:
         write_manifest(run_dir, manifest)
@@ -75,8 +83,9 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
     )
     console = Console(active=rank == world_size - 1, total=t.iterations)
     start = 0
-    snapshot_at = set(snapshot_at or ())
-    faults = list(fault_skip_restore or ())
+    snapshot_at = set(opts.snapshot_at)
+    faults = list(opts.fault_skip_restore)
+    load = opts.load
     if load:
         fresh = {"scheduler": state.scheduler.state_dict(), "data": data.state_dict()}
         start, rank_state = checkpoint.load_checkpoint(
@@ -95,9 +104,10 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
         if start in snapshot_at:
             take_snapshot(run_dir, start, rank=rank, ddp_modules=state.ddp_modules, optimizer=state.optimizer,
                           scheduler=state.scheduler, data=data)
-    save_root = save or (str(run_dir / "checkpoints") if save_interval else None)
-    stop = min(stop_at or t.iterations, t.iterations)
-    tracer = _tracer(trace, run_dir, rank, world_size, state, manifest)
+    save_interval = opts.save_interval or 0
+    save_root = opts.save or (str(checkpoints_dir(run_dir)) if save_interval else None)
+    stop = min(opts.stop_at or t.iterations, t.iterations)
+    tracer = _tracer(opts.trace, run_dir, rank, world_size, state, manifest)
     try:
         train_steps(state, data, run_dir=run_dir, start=start, stop=stop, save_root=save_root,
                     save_interval=save_interval, manifest=manifest, console=console,
@@ -106,21 +116,20 @@ def worker(rank: int, world_size: int, *, recipe: dict, run_dir: str, save: str 
         console.close()
         if tracer is not None:
             tracer.close()
-    console.note(f"fingerprints: {run_dir / 'fingerprints'}" + (f" | checkpoints: {save_root}" if save_root else ""))
+    console.note(f"fingerprints: {fingerprints_dir(run_dir)}" + (f" | checkpoints: {save_root}" if save_root else ""))
     torch.distributed.barrier()
     ps.destroy_model_parallel()
     return 0
 
 
-def _tracer(trace: dict | None, run_dir: Path, rank: int, world_size: int, state, manifest: dict):
+def _tracer(trace, run_dir: Path, rank: int, world_size: int, state, manifest: dict):
     """This rank's Tracer over the unwrapped chunks (scopes are megatron's module paths), or None."""
-    if not trace:
+    if trace is None:
         return None
     from megatron_bitdet.trace import Tracer
 
-    tracer = Tracer(run_dir, rank, world_size, level=trace["level"], steps=tuple(trace["steps"]),
-                    ranks=trace.get("ranks"), hash=trace.get("hash", "fast"),
-                    manifest_digest=manifest["recipe_digest"])
+    tracer = Tracer(run_dir, rank, world_size, level=trace.level, steps=trace.steps, ranks=trace.ranks,
+                    hash=trace.hash, manifest_digest=manifest["recipe_digest"])
     tracer.attach([m.module for m in state.ddp_modules])
     return tracer
 

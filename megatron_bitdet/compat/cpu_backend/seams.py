@@ -1,4 +1,4 @@
-"""The seams between megatron-core 0.16.1 and a CPU-only torch, one function per seam.
+"""The seams between megatron-core and a CPU-only torch, one function per seam (docs/COMPAT.md).
 
 Each seam says what breaks without it. They are installed once per process, before the model is
 built; nothing here runs per step except the no-op stand-ins megatron calls (synchronize, events).
@@ -17,9 +17,10 @@ from importlib.metadata import version
 
 import torch
 
+from megatron_bitdet.compat.rebind import rebind
+from megatron_bitdet.compat.versions import MEGATRON_CORE, describe, supports
 from megatron_bitdet.errors import BitdetError
 
-SUPPORTED_MEGATRON_CORE = ("0.16.1",)
 _INSTALLED: list[str] = []
 
 
@@ -33,10 +34,10 @@ def install(*, force: bool = False) -> list[str]:
     if _INSTALLED or (torch.cuda.is_available() and not force):
         return installed()
     mcore = version("megatron-core")
-    if mcore not in SUPPORTED_MEGATRON_CORE:
+    if not supports(mcore):
         raise BitdetError(
-            f"the CPU backend was written and tested for megatron-core {', '.join(SUPPORTED_MEGATRON_CORE)}, "
-            f"found {mcore}: its seams may have moved. Install megatron-core=={SUPPORTED_MEGATRON_CORE[-1]} "
+            f"the CPU backend was written and tested for megatron-core {describe()}, "
+            f"found {mcore}: its seams may have moved. Install 'megatron-core{MEGATRON_CORE}' "
             "or run on a GPU (where the CPU backend is not used)."
         )
     for seam in SEAMS:
@@ -53,15 +54,6 @@ _CUDA_LITERALS = [
     ('device="cuda"', 'device="cpu"'),
     ("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
 ]
-
-
-def _rebind(old, new) -> None:
-    """Point every already-imported megatron module that did ``from x import old`` at ``new``."""
-    for name, module in list(sys.modules.items()):
-        if name.startswith("megatron.core") and module is not None:
-            for attr, value in list(vars(module).items()):
-                if value is old:
-                    setattr(module, attr, new)
 
 
 def _cuda_literals_to_cpu(target: str) -> None:
@@ -96,7 +88,7 @@ def _cuda_literals_to_cpu(target: str) -> None:
     new.__wrapped__ = fn
     setattr(owner, attr, new)
     if not inspect.isclass(owner):
-        _rebind(raw, new)
+        rebind({raw: new})
 
 
 class _NullEvent:
@@ -267,7 +259,7 @@ def moe_cpu_splits():
         return tensor
 
     moe_utils.maybe_move_tensor_to_cpu = maybe_move_tensor_to_cpu
-    _rebind(original, maybe_move_tensor_to_cpu)
+    rebind({original: maybe_move_tensor_to_cpu})
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None
 

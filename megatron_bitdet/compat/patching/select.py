@@ -1,11 +1,10 @@
-"""Which declared patches a recipe gets: the swaps the rules resolved, plus what its layer spec needs."""
+"""Which declared patches a recipe gets, read from the declarations: those whose ``needed_when`` holds
+for the recipe and its spec family (in ``order``), then those serving a rule the enforcement resolved
+with a swap (by their ``rule``). Adding a swap is a kernel, its declaration and its rule's ``swap``."""
 from __future__ import annotations
 
-from megatron_bitdet.patching.apply import applied_patches, apply_patches
-from megatron_bitdet.patching.declaration import load_declarations
-
-SSM_PATCHES = ("ssd_scan", "gated_rmsnorm", "causal_conv1d")
-
+from megatron_bitdet.compat.patching.apply import applied_patches, apply_patches
+from megatron_bitdet.compat.patching.declaration import load_declarations
 
 def declared_ids() -> frozenset:
     """Every patch id in ``patches/``: the swaps enforcement may resolve a rule with."""
@@ -21,15 +20,7 @@ def swap_patches(swaps) -> list[str]:
 
 def select_patches(recipe, *, family: str, swaps=()) -> list[str]:
     """Patch ids for this recipe. ``swaps`` are the rule outcome's resolved swaps (dicts with "id")."""
-    ids = ["local_final_norm"] if family == "local" else []
-    if recipe.model.has("M") and family == "local":
-        ids += SSM_PATCHES  # the local spec's Mamba kernels are ours, in both modes
-    if recipe.model.has("M") and family != "local" and recipe.determinism.mode:
-        ids.append("gated_rmsnorm")  # mamba_ssm's Triton norm sums dw over a device-dependent block count
-    if recipe.model.has("E") and recipe.determinism.mode:
-        ids.append("moe_aux_loss")
-    if recipe.model.has("E") and recipe.model.moe.expert_impl == "grouped":
-        ids.append("grouped_gemm_dprob")
+    ids = [d.id for d in sorted(load_declarations(), key=lambda d: d.order) if d.needed(recipe, family)]
     ids += [i for i in swap_patches(swaps) if i not in ids]
     return ids
 

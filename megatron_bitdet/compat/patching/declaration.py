@@ -6,8 +6,13 @@ marked optional; unknown keys are errors)::
 
     id: moe_aux_loss                      # = file stem
     rule: moe_aux_loss                    # the enforce rules-table swap id it serves
-    megatron_core: ">=0.16.1,<0.17"       # PEP 440 specifier of supported versions
+    megatron_core: ">=0.16.1,<0.17"       # optional: narrows bitdet's supported versions (compat.versions)
     why: ...                              # the nondeterminism it removes
+    needed_when:                          # optional: recipes that get it whatever the rules decided,
+      - {spec: local, layers: M}          #   when any entry holds (an entry: all of its keys); keys:
+                                          #   spec (local|te), layers (pattern symbols, any),
+                                          #   deterministic (determinism.mode), expert_impl
+    order: 20                             # optional: position among the selected patches (lowest first)
     swaps:
       - replacement: megatron_bitdet.kernels.moe_aux:switch_load_balancing_loss_func
         targets: [megatron.core.transformer.moe.moe_utils:switch_load_balancing_loss_func, ...]
@@ -24,12 +29,15 @@ from typing import Dict, List, Optional, Tuple
 import yaml
 from packaging.specifiers import InvalidSpecifier, SpecifierSet
 
+from megatron_bitdet.compat.versions import MEGATRON_CORE
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.resources import shipped_dir
 
 _SYMBOL = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
-_TOP_KEYS = {"id", "rule", "megatron_core", "why", "swaps"}
+_TOP_KEYS = {"id", "rule", "megatron_core", "why", "swaps", "needed_when", "order"}
+_OPTIONAL_KEYS = {"megatron_core", "needed_when", "order"}
 _SWAP_KEYS = {"replacement", "targets", "optional_binding", "untouched"}
+_NEED_KEYS = {"spec": str, "layers": str, "deterministic": bool, "expert_impl": str}
 
 
 def split_symbol(symbol: str) -> Tuple[str, str]:
@@ -49,6 +57,22 @@ class Swap:
 
 
 @dataclass(frozen=True)
+class Need:
+    """One ``needed_when`` entry: every key given must match the recipe (None: any)."""
+
+    spec: Optional[str] = None
+    layers: Optional[str] = None
+    deterministic: Optional[bool] = None
+    expert_impl: Optional[str] = None
+
+    def holds(self, recipe, family: str) -> bool:
+        return ((self.spec is None or self.spec == family)
+                and (self.layers is None or any(recipe.model.has(s) for s in self.layers))
+                and (self.deterministic is None or self.deterministic == bool(recipe.determinism.mode))
+                and (self.expert_impl is None or self.expert_impl == recipe.model.moe.expert_impl))
+
+
+@dataclass(frozen=True)
 class PatchDeclaration:
     id: str
     rule: str
@@ -56,9 +80,15 @@ class PatchDeclaration:
     why: str
     swaps: Tuple[Swap, ...]
     source: str
+    needed_when: Tuple[Need, ...] = ()
+    order: int = 0
 
     def supports(self, version: str) -> bool:
         return self.megatron_core.contains(version, prereleases=True)
+
+    def needed(self, recipe, family: str) -> bool:
+        """Whether the recipe (built with spec ``family``) gets this patch whatever the rules decided."""
+        return any(n.holds(recipe, family) for n in self.needed_when)
 
 
 def _fail(source, message):
@@ -98,24 +128,49 @@ def _swap(source, index, data) -> Swap:
     return Swap(_symbol(source, f"{where}.replacement", data.get("replacement")), targets, optional, dict(untouched))
 
 
+def _needs(source, data) -> Tuple[Need, ...]:
+    if not isinstance(data, list):
+        _fail(source, "needed_when must be a list of mappings")
+    needs = []
+    for i, entry in enumerate(data):
+        where = f"needed_when[{i}]"
+        if not isinstance(entry, dict) or not entry:
+            _fail(source, f"{where} must be a non-empty mapping")
+        unknown = set(entry) - set(_NEED_KEYS)
+        if unknown:
+            _fail(source, f"{where}: unknown key(s) {sorted(unknown)}; allowed: {sorted(_NEED_KEYS)}")
+        for key, value in entry.items():
+            if not isinstance(value, _NEED_KEYS[key]):
+                _fail(source, f"{where}.{key} must be a {_NEED_KEYS[key].__name__}, got {value!r}")
+        needs.append(Need(**entry))
+    return tuple(needs)
+
+
 def parse_declaration(data, source: str) -> PatchDeclaration:
     """Validate one declaration (already parsed YAML); ``source`` names it in every error."""
     if not isinstance(data, dict):
         _fail(source, "a patch declaration must be a YAML mapping")
-    missing, unknown = _TOP_KEYS - set(data), set(data) - _TOP_KEYS
+    missing, unknown = _TOP_KEYS - _OPTIONAL_KEYS - set(data), set(data) - _TOP_KEYS
     if missing or unknown:
-        _fail(source, f"missing key(s) {sorted(missing)}, unknown key(s) {sorted(unknown)}; required: {sorted(_TOP_KEYS)}")
-    for key in ("id", "rule", "why", "megatron_core"):
+        _fail(source, f"missing key(s) {sorted(missing)}, unknown key(s) {sorted(unknown)}; "
+                      f"required: {sorted(_TOP_KEYS - _OPTIONAL_KEYS)}")
+    for key in ("id", "rule", "why", *(["megatron_core"] if "megatron_core" in data else [])):
         if not isinstance(data[key], str) or not data[key].strip():
             _fail(source, f"{key} must be a non-empty string")
-    try:
-        spec = SpecifierSet(data["megatron_core"])
-    except InvalidSpecifier:
-        _fail(source, f"megatron_core: {data['megatron_core']!r} is not a version specifier (e.g. '>=0.16.1,<0.17')")
+    spec = MEGATRON_CORE
+    if "megatron_core" in data:
+        try:
+            spec = SpecifierSet(data["megatron_core"])
+        except InvalidSpecifier:
+            _fail(source, f"megatron_core: {data['megatron_core']!r} is not a version specifier (e.g. '>=0.16.1,<0.17')")
     if not isinstance(data["swaps"], list) or not data["swaps"]:
         _fail(source, "swaps must be a non-empty list")
     swaps = tuple(_swap(source, i, s) for i, s in enumerate(data["swaps"]))
-    return PatchDeclaration(data["id"], data["rule"], spec, data["why"].strip(), swaps, source)
+    order = data.get("order", 0)
+    if not isinstance(order, int) or isinstance(order, bool):
+        _fail(source, f"order must be an integer, got {order!r}")
+    return PatchDeclaration(data["id"], data["rule"], spec, data["why"].strip(), swaps, source,
+                            _needs(source, data.get("needed_when", [])), order)
 
 
 def load_declaration(path) -> PatchDeclaration:

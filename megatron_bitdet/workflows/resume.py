@@ -12,13 +12,13 @@ The reference therefore saves nothing; it only snapshots and fingerprints.
 """
 from __future__ import annotations
 
-import shutil
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.errors import BitdetError, BitdetInputError
+from megatron_bitdet.rundir import checkpoints_dir, iter_dir, logs_dir, snapshot_path
 
 _MISSING = object()
 # Snapshot entries that are split one level deeper into components of their own (rng.python, ...).
@@ -197,12 +197,11 @@ def _check_faults(faults) -> list[str]:
 
 
 def _launch(recipe, run_dir: Path, what: str, **kwargs) -> Path:
-    from megatron_bitdet.cli.train_cmd import launch_training
+    from megatron_bitdet.train.run import RunOptions, launch_training
 
-    shutil.rmtree(run_dir, ignore_errors=True)  # fingerprints append: a stale segment would mix in
-    rc = launch_training(recipe, run_dir=run_dir, **kwargs)
+    rc = launch_training(recipe, RunOptions(run_dir=run_dir, fresh=True, **kwargs))
     if rc != 0:
-        raise BitdetError(f"{what} failed (exit code {rc}); logs: {run_dir / 'logs'}")
+        raise BitdetError(f"{what} failed (exit code {rc}); logs: {logs_dir(run_dir)}")
     return run_dir
 
 
@@ -216,8 +215,6 @@ def run_reference(recipe, resume_at, *, nproc: int, run_dir, model_provider=None
 def _check_reference(reference_dir: Path, recipe, resume_at: list[int], nproc: int) -> None:
     """A reused reference must be this recipe's run and hold a snapshot for every resume step and rank."""
     from megatron_bitdet.enforce.manifest import load_manifest
-    from megatron_bitdet.train.snapshot import snapshot_path
-
     manifest = load_manifest(reference_dir)
     if manifest["recipe_digest"] != recipe.digest():
         raise BitdetInputError(f"{reference_dir}: the reference was made from a different recipe "
@@ -253,7 +250,7 @@ def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_pr
         last = stop == iterations
         _launch(recipe, run_dir, f"segment {start}->{stop}", nproc=nproc, model_provider=model_provider,
                 save_interval=0 if last else stop, stop_at=None if last else stop,
-                load=None if previous is None else str(previous / "checkpoints" / f"iter_{start:07d}"),
+                load=None if previous is None else str(iter_dir(checkpoints_dir(previous), start)),
                 snapshot_at=[start] if start else [], fault_skip_restore=faults if start else [])
         point = ResumePoint(step=start, stop=stop, run_dir=str(run_dir), state_holds=None)
         if start:
@@ -289,8 +286,6 @@ def _compare_outputs(reference_dir: Path, run_dir: Path, point: ResumePoint) -> 
 def compare_snapshots(reference_dir, resumed_dir, step: int, rank: int) -> list[StateCheck]:
     """Every leaf of the two live-state snapshots at ``step`` for ``rank``, compared bitwise."""
     import torch
-
-    from megatron_bitdet.train.snapshot import snapshot_path
 
     ref, res = (torch.load(snapshot_path(d, step, rank), weights_only=True) for d in (reference_dir, resumed_dir))
     checks = []

@@ -20,7 +20,7 @@ _RECORD: dict = {}
 
 def install(mode: str) -> dict | None:
     """Install once per process; returns the manifest record (None when c10d's reductions stay)."""
-    from megatron_bitdet.trace.collectives import swap_collectives
+    from megatron_bitdet.compat.collectives import swap_collectives
 
     if _RECORD:
         return dict(_RECORD)

@@ -18,8 +18,9 @@ from pathlib import Path
 import numpy as np
 
 from megatron_bitdet.errors import BitdetError, BitdetInputError
+from megatron_bitdet.rundir import logs_dir
 
-WORKER = "megatron_bitdet.analysis.tax_worker:tax_worker"
+WORKER = "megatron_bitdet.workflows.tax_worker:tax_worker"
 QUIET_PROFILER = {"KINETO_LOG_LEVEL": "6"}  # above every kineto level: no "profiler_start" lines per session
 
 
@@ -139,9 +140,9 @@ def _stats(side: dict, per_rank: list[dict], tokens_per_step: int) -> SideStats:
 def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_dir=None, profile_steps: int = 2,
                 model_provider: str | None = None) -> TaxResult:
     """Measure the tax of ``recipe`` (determinism.mode must be true) on ``nproc`` local ranks."""
-    from megatron_bitdet.cli.train_cmd import check_layout, child_env
     from megatron_bitdet.recipe import Recipe
     from megatron_bitdet.train.launch import launch
+    from megatron_bitdet.train.run import check_layout, child_env
 
     cfg = TaxConfig(rounds=rounds, warmup=warmup, profile_steps=profile_steps)
     if not recipe.determinism.mode:
@@ -161,7 +162,7 @@ def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_di
                                 "model_provider": model_provider},
                 run_dir=out_dir, env={**child_env(recipe), **QUIET_PROFILER}, console_rank=-1)
     if rc != 0 or not raw.exists():
-        raise BitdetError(f"tax measurement failed (exit {rc}); rank logs: {out_dir / 'logs'}")
+        raise BitdetError(f"tax measurement failed (exit {rc}); rank logs: {logs_dir(out_dir)}")
     data = json.loads(raw.read_text())
     t = recipe.training
     tokens = t.global_batch_size * recipe.model.seq_length
@@ -182,6 +183,41 @@ def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_di
                        phases_s=data["phases_s"], notes=notes)
     (out_dir / "tax.json").write_text(result.to_json())
     return result
+
+
+def tax_table(result):
+    """Rich table: one column per configuration, the baseline marked."""
+    from rich.markup import escape
+    from rich.table import Table
+
+    sides = [result.deterministic, *result.candidates]
+    table = Table(title=f"determinism tax: {result.tax_percent:+.2f}%  (paired {result.paired_tax_percent:+.2f}%)")
+    table.add_column("")
+    for s in sides:
+        table.add_column(escape(s.name) + (" ◀ baseline" if s is result.baseline else ""), justify="right")
+    rows = [
+        ("step time median (ms)", lambda s: f"{s.median_ms:.2f}"),
+        ("p10 – p90 (ms)", lambda s: f"{s.p10_ms:.1f} – {s.p90_ms:.1f}"),
+        ("tokens/s", lambda s: f"{s.tokens_per_s:,.0f}"),
+        ("comm time median (ms)", lambda s: f"{s.comm_ms:.2f}"),
+        ("peak memory (MiB)", lambda s: f"{s.peak_memory_mib:.1f}"),
+        ("torch deterministic algorithms", lambda s: "/".join(map(str, s.det_algorithms_enabled))),
+    ]
+    groups = sorted({g for s in sides for g in s.op_groups_ms})
+    rows += [(f"  {g} (ms, profiled)", lambda s, g=g: f"{s.op_groups_ms.get(g, 0.0):.2f}") for g in groups]
+    for label, fn in rows:
+        table.add_row(label, *[fn(s) for s in sides])
+    return table
+
+
+def print_tax(result, console) -> None:
+    """Table, notes and summary (names like ``baseline[grouped]`` escaped from rich markup)."""
+    from rich.markup import escape
+
+    console.print(tax_table(result))
+    for note in result.notes:
+        console.print(f"• {escape(note)}")
+    console.print(escape(result.summary()))
 
 
 def _on_cuda() -> bool:

@@ -24,6 +24,8 @@ from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.analysis.localize import PRODUCER, LocalizeConfig, localize_traces
 from megatron_bitdet.enforce.manifest import load_manifest
 from megatron_bitdet.errors import BitdetError, BitdetInputError
+from megatron_bitdet.rundir import logs_dir, manifest_path
+from megatron_bitdet.trace import TraceConfig
 from megatron_bitdet.trace.format import LEVELS
 
 
@@ -91,10 +93,10 @@ def _relaunch_spec(run_dir) -> _Relaunch:
         raise BitdetInputError(f"{run_dir}: the run resumed from a checkpoint; the ladder re-runs from "
                                "iteration 0. Trace it yourself: bitdet train --load ... --trace LEVEL")
     try:
-        recipe = Recipe.from_dict(m["recipe"], source=f"{run_dir}/manifest.json")
+        recipe = Recipe.from_dict(m["recipe"], source=str(manifest_path(run_dir)))
         nproc = int(m["scope"]["world_size"])
     except (KeyError, TypeError, ValueError) as exc:
-        raise BitdetInputError(f"{run_dir}/manifest.json: cannot re-launch from it ({exc})") from None
+        raise BitdetInputError(f"{manifest_path(run_dir)}: cannot re-launch from it ({exc})") from None
     provider = m.get("model_provider")
     if provider:
         from megatron_bitdet.model.builder import load_model_provider
@@ -107,25 +109,20 @@ def _relaunch_spec(run_dir) -> _Relaunch:
 
 def _relaunch_both(specs, runs, level: str, steps: list[int], ranks) -> list[Path]:
     """Re-run A and B side by side with tracing on in the window; their consoles go to stderr."""
-    from megatron_bitdet.cli.train_cmd import launch_training
+    from megatron_bitdet.train.run import RunOptions, launch_training
 
-    trace = {"level": level, "steps": steps, "ranks": ranks, "hash": "fast"}
+    trace = TraceConfig(level, tuple(steps), None if ranks is None else frozenset(ranks))
     outs = [Path(run) / "ladder" / level for run in runs]
     codes: list = [None, None]
 
     def one(i):
         try:
-            codes[i] = launch_training(specs[i].recipe, nproc=specs[i].nproc, run_dir=outs[i], stop_at=steps[1],
-                                       model_provider=specs[i].model_provider, trace=trace,
-                                       argv=["bitdet", "localize", "(ladder)", level])
+            codes[i] = launch_training(specs[i].recipe, RunOptions(
+                nproc=specs[i].nproc, run_dir=outs[i], stop_at=steps[1], model_provider=specs[i].model_provider,
+                trace=trace, argv=("bitdet", "localize", "(ladder)", level), fresh=True))
         except BaseException as exc:  # reported below, in this thread
             codes[i] = exc
 
-    for out in outs:
-        for old in (out / "traces", out / "fingerprints"):
-            if old.is_dir():
-                for f in old.iterdir():
-                    f.unlink()
     print(f"[ladder] {level}: re-running both runs to step {steps[1]}, tracing steps {steps[0]}-{steps[1]}, "
           f"ranks {'all' if ranks is None else ranks}", file=sys.stderr, flush=True)
     with contextlib.redirect_stdout(sys.stderr):
@@ -138,7 +135,7 @@ def _relaunch_both(specs, runs, level: str, steps: list[int], ranks) -> list[Pat
         if isinstance(code, BaseException):
             raise code
         if code != 0:
-            raise BitdetError(f"ladder re-run into {out} failed (exit {code}); see {out}/logs/")
+            raise BitdetError(f"ladder re-run into {out} failed (exit {code}); see {logs_dir(out)}")
     return outs
 
 

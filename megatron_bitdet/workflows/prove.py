@@ -99,9 +99,10 @@ def prove(recipe, *, nproc: int, out_dir, resume_at=None, tax: bool = True, mode
     from rich.console import Console
 
     from megatron_bitdet.analysis.compare import compare_runs
-    from megatron_bitdet.analysis.resume import check_resume_at, run_reference, verify_resume
-    from megatron_bitdet.cli.train_cmd import check_layout, launch_training
+    from megatron_bitdet.workflows.resume import check_resume_at, run_reference, verify_resume
     from megatron_bitdet.errors import BitdetError
+    from megatron_bitdet.rundir import logs_dir
+    from megatron_bitdet.train.run import RunOptions, check_layout, launch_training
 
     cfg = config or ProveConfig(tax=tax)
     console = console or Console()
@@ -118,11 +119,9 @@ def prove(recipe, *, nproc: int, out_dir, resume_at=None, tax: bool = True, mode
                                                model_provider=model_provider))
 
     def _run_b():
-        import shutil
-
-        shutil.rmtree(run_b, ignore_errors=True)  # fingerprints append: a stale run would mix in
-        if launch_training(recipe, nproc=nproc, run_dir=run_b, save_interval=0, model_provider=model_provider):
-            raise BitdetError(f"run B failed; logs: {run_b / 'logs'}")
+        if launch_training(recipe, RunOptions(nproc=nproc, run_dir=run_b, save_interval=0,
+                                              model_provider=model_provider, fresh=True)):
+            raise BitdetError(f"run B failed; logs: {logs_dir(run_b)}")
     stages.run(names[1], _run_b)
     resume = stages.run(names[2], lambda: verify_resume(recipe, steps, nproc=nproc, out_dir=out / "resume",
                                                         model_provider=model_provider, reference_dir=run_a))
@@ -130,7 +129,7 @@ def prove(recipe, *, nproc: int, out_dir, resume_at=None, tax: bool = True, mode
     verdicts = [reproducibility_verdict(ab), resume_verdict(resume)]
     result = ProveResult(str(out), verdicts, ab, resume)
     if cfg.tax:
-        from megatron_bitdet.analysis.tax import measure_tax
+        from megatron_bitdet.workflows.tax import measure_tax
 
         try:
             result.tax = stages.run(names[4], lambda: measure_tax(

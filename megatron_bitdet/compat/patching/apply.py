@@ -10,11 +10,11 @@ from __future__ import annotations
 import contextlib
 import importlib
 from dataclasses import dataclass
-from importlib.metadata import PackageNotFoundError, version
 from typing import Dict, Iterable, List, Optional, Sequence
 
+from megatron_bitdet.compat.patching.declaration import PatchDeclaration, load_declarations, split_symbol
+from megatron_bitdet.compat.versions import megatron_core_version
 from megatron_bitdet.errors import BitdetError
-from megatron_bitdet.patching.declaration import PatchDeclaration, load_declarations, split_symbol
 
 _ABSENT = object()  # the target module had no such global before the patch
 
@@ -45,13 +45,6 @@ class _Applied:
 
 
 _REGISTRY: Dict[str, _Applied] = {}
-
-
-def megatron_core_version() -> str:
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError as exc:
-        raise BitdetError("megatron-core is not installed; nothing to patch") from exc
 
 
 def _resolve(decl: PatchDeclaration, symbol: str, *, absent_ok: bool = False):

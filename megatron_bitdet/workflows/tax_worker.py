@@ -109,7 +109,7 @@ class CommTimer:
     @contextmanager
     def installed(self):
         """Swap the collectives in torch.distributed and in every megatron module alias of them."""
-        from megatron_bitdet.trace.collectives import swap_collectives
+        from megatron_bitdet.compat.collectives import swap_collectives
 
         with swap_collectives(lambda _name, fn: self._wrap(fn), COLLECTIVES):
             yield self
@@ -145,7 +145,7 @@ class PeakMemory:
 
 def _activate(side: Side) -> None:
     """Make this process run ``side``: its exact patch set and torch's deterministic-algorithms flag."""
-    from megatron_bitdet.patching import applied_patches, apply_patches, load_declarations, revert_patches
+    from megatron_bitdet.compat.patching import applied_patches, apply_patches, load_declarations, revert_patches
 
     have = [p["id"] for p in applied_patches()]
     extra = [i for i in have if i not in side.patches]
@@ -174,24 +174,14 @@ def _build(side: Side, provider) -> None:
 
 
 def _step(side: Side) -> None:
-    """One training step as ``train.loop.train_steps`` runs it, minus fingerprints and checkpoints."""
+    """The training loop's step (``train.loop.train_step``), minus fingerprints and checkpoints."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
 
-    from megatron_bitdet.train.loop import _forward_step
+    from megatron_bitdet.train.loop import train_step
 
-    s, r = side.state, side.recipe
-    for m in s.ddp_modules:
-        m.zero_grad_buffer()
-    s.optimizer.zero_grad()
-    get_forward_backward_func()(
-        forward_step_func=_forward_step, data_iterator=side.data, model=s.ddp_modules,
-        num_microbatches=side.data.num_microbatches, seq_length=r.model.seq_length,
-        micro_batch_size=r.training.micro_batch_size, forward_only=False,
-    )
+    train_step(side.state, side.data, get_forward_backward_func())
     side.det_flag_seen.add(torch.are_deterministic_algorithms_enabled())
-    s.optimizer.step()
-    s.scheduler.step(increment=1)
     clear_aux_losses_tracker()
 
 
@@ -236,20 +226,21 @@ def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds:
     """``sides``: [{"name", "recipe" (dict), "deterministic"}], the deterministic one first."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bitdet import cpu_backend
+    from megatron_bitdet.compat import cpu_backend
     from megatron_bitdet.model.builder import load_model_provider, resolve_spec_family
-    from megatron_bitdet.patching import select_patches
+    from megatron_bitdet.compat.patching import select_patches
     from megatron_bitdet.recipe import Recipe
     from megatron_bitdet.train.setup import init_parallel
-    from megatron_bitdet.train.worker import _ENFORCEMENT
+    from megatron_bitdet.train.worker import enforced
 
     cpu_backend.install()
-    init_parallel(_ENFORCEMENT["recipe"])
+    run_recipe, enforcement = enforced()
+    init_parallel(run_recipe)
     provider = load_model_provider(model_provider)
     built = []
     for s in sides:
         r = Recipe.from_dict(s["recipe"], source=f"<tax {s['name']}>")
-        swaps = list(_ENFORCEMENT["enforcement"].rules.swaps) if s["deterministic"] else []
+        swaps = list(enforcement.rules.swaps) if s["deterministic"] else []
         built.append(Side(s["name"], r, select_patches(r, family=resolve_spec_family(r), swaps=swaps),
                           s["deterministic"], swaps))
     phases = {"start": time.perf_counter()}

@@ -1,0 +1,76 @@
+"""One supported-versions specifier, and docs/COMPAT.md names every version-sensitive site (read from the code)."""
+from __future__ import annotations
+
+import ast
+import re
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from megatron_bitdet.compat.patching import load_declarations, parse_declaration
+from megatron_bitdet.compat.versions import MEGATRON_CORE, supports
+from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.recipe import load_recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "megatron_bitdet"
+DOC = ROOT / "docs" / "COMPAT.md"
+SITE = re.compile(r"^\| `([^`]+)` \|", re.M)
+VERSION_MENTION = re.compile(r"(?:megatron(?:[-_ ]core)?|mcore)\s*(?:[<>=!~]=?\s*)?\d+\.\d+", re.I)
+
+
+def _listed() -> set[str]:
+    return set(SITE.findall(DOC.read_text()))
+
+
+def _imports_megatron(path: Path) -> bool:
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else []
+        if any(n == "megatron" or n.startswith("megatron.") for n in names):
+            return True
+    return False
+
+
+def test_pyproject_pin_and_the_document_are_the_specifier():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = [Requirement(d) for d in deps if Requirement(d).name == "megatron-core"]
+    assert [p.specifier for p in pins] == [MEGATRON_CORE]
+    assert f"Supported megatron-core: `{MEGATRON_CORE}`" in DOC.read_text()
+
+
+def test_every_shipped_patch_reads_the_specifier():
+    decls = load_declarations()
+    assert decls and all(d.megatron_core == MEGATRON_CORE for d in decls)
+    assert supports(version("megatron-core"))
+
+
+def test_every_version_sensitive_module_is_listed():
+    listed = _listed()
+    sensitive = {str(p.relative_to(ROOT)) for p in sorted(PACKAGE.rglob("*.py"))
+                 if _imports_megatron(p) or VERSION_MENTION.search(p.read_text())}
+    missing = sorted(sensitive - listed)
+    assert not missing, f"docs/COMPAT.md does not list these modules that import or name megatron-core: {missing}"
+
+
+def test_every_listed_site_exists():
+    absent = [s for s in sorted(_listed()) if not list(ROOT.glob(s))]
+    assert not absent, f"docs/COMPAT.md lists sites that do not exist: {absent}"
+
+
+def test_patch_selection_is_read_from_the_declarations():
+    """A declaration's ``needed_when`` decides, and a malformed one is refused naming the file."""
+    base = {"id": "x", "rule": "r", "why": "w",
+            "swaps": [{"replacement": "a.b:c", "targets": ["megatron.core.m:f"]}]}
+    decl = parse_declaration({**base, "needed_when": [{"spec": "te", "layers": "E", "deterministic": False}]}, "x.yaml")
+    recipe = load_recipe(str(ROOT / "recipes" / "nemotron_h_tiny.yaml"), ["determinism.mode=false"])
+    assert decl.needed(recipe, "te") and not decl.needed(recipe, "local")
+    assert not parse_declaration(base, "x.yaml").needed(recipe, "te")
+    for bad, message in (([{"layer": "E"}], r"unknown key\(s\) \['layer'\]"), ([{"deterministic": "yes"}], "must be a bool"),
+                         ({"spec": "te"}, "must be a list")):
+        with pytest.raises(BitdetInputError, match=message) as err:
+            parse_declaration({**base, "needed_when": bad}, "x.yaml")
+        assert "x.yaml" in str(err.value)
