@@ -30,6 +30,19 @@ def resolve_spec_family(recipe) -> str:
     return family
 
 
+def fp8_implementation(recipe) -> str | None:
+    """None (no FP8), "te" (Transformer Engine's recipe, TE spec) or "emulated" (the local spec's
+    emulated FP8 linears: patch ``fp8_emulated_linear``, selected by its ``needed_when``)."""
+    fp8, family = recipe.model.fp8, resolve_spec_family(recipe)
+    if fp8.recipe == "none":
+        return None
+    impl = fp8.implementation if fp8.implementation != "auto" else ("te" if family == "te" else "emulated")
+    if (impl == "te") != (family == "te"):
+        raise BitdetError(f"model.fp8.implementation={impl} needs model.spec={'te' if impl == 'te' else 'local'} "
+                          f"(the resolved spec is {family})")
+    return impl
+
+
 def transformer_config(recipe, *, swapped=(), use_cpu_initialization: bool | None = None):
     """megatron TransformerConfig for the recipe, carrying the enforcement's determinism decisions
     (``swapped``: rule ids the enforcement resolved with a swap)."""
@@ -84,8 +97,16 @@ def transformer_config(recipe, *, swapped=(), use_cpu_initialization: bool | Non
             moe_aux_loss_coeff=moe.aux_loss_coeff,
             moe_token_dispatcher_type=moe.dispatcher,
         )
+    fp8 = fp8_implementation(recipe)
+    if fp8 == "te":
+        f = m.fp8
+        kwargs.update(fp8=f.format, fp8_recipe=f.recipe, fp8_margin=f.margin,
+                      fp8_amax_history_len=f.amax_history_len, fp8_amax_compute_algo=f.amax_compute_algo)
     kwargs.update(megatron_overrides(recipe, swapped))
-    return TransformerConfig(**kwargs)
+    config = TransformerConfig(**kwargs)
+    if fp8 == "emulated":  # megatron's own fp8 fields would route to TE; the emulated linears read this
+        config.emulated_fp8 = m.fp8
+    return config
 
 
 def padded_vocab_size(recipe) -> int:

@@ -2,8 +2,10 @@
 
 ``local``: pure torch, runs anywhere (CPU included); the Mamba kernels and the final norm are bitdet's,
 swapped in by ``patches/`` before the spec is built, and with ``expert_impl: grouped`` the experts are
-bitdet's GroupedProbMLP, chosen through megatron's own backend spec provider seam. ``te``: Transformer
-Engine's fused layers (megatron's own ``mamba_stack_spec``), used when TE imports.
+bitdet's GroupedProbMLP, chosen through megatron's own backend spec provider seam. Every linear comes
+from that provider too (megatron's ``LocalSpecProvider`` bindings, read when the spec is built): the
+binding the emulated-FP8 swap replaces. ``te``: Transformer Engine's fused layers (megatron's own
+``mamba_stack_spec``), used when TE imports.
 """
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ from megatron.core.ssm.mamba_block import MambaStack, MambaStackSubmodules
 from megatron.core.ssm.mamba_layer import MambaLayer, MambaLayerSubmodules
 from megatron.core.ssm.mamba_mixer import MambaMixer, MambaMixerSubmodules
 from megatron.core.ssm.mlp_layer import MLPLayer
-from megatron.core.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnMaskType
@@ -55,12 +56,15 @@ def te_available() -> bool:
 
 def local_stack_spec(*, num_experts: int = 0, mamba_params=None, expert_impl: str = "sequential") -> ModuleSpec:
     """The pure-torch hybrid stack: Mamba-2, attention, MLP and MoE layers."""
+    backend = ExpertSpecProvider(expert_impl)
+    column, row = backend.column_parallel_linear(), backend.row_parallel_linear()
     moe_layer = None
     if num_experts:
         moe_layer = ModuleSpec(
             module=MoETransformerLayer,
             submodules=TransformerLayerSubmodules(
-                pre_mlp_layernorm=LocalNorm, mlp=get_moe_module_spec_for_backend(ExpertSpecProvider(expert_impl), num_experts=num_experts), mlp_bda=get_bias_dropout_add
+                pre_mlp_layernorm=LocalNorm, mlp=get_moe_module_spec_for_backend(backend, num_experts=num_experts),
+                mlp_bda=get_bias_dropout_add,
             ),
         )
     return ModuleSpec(
@@ -73,7 +77,7 @@ def local_stack_spec(*, num_experts: int = 0, mamba_params=None, expert_impl: st
                     mixer=ModuleSpec(
                         module=MambaMixer,
                         params=dict(mamba_params or {}),
-                        submodules=MambaMixerSubmodules(in_proj=ColumnParallelLinear, out_proj=RowParallelLinear),
+                        submodules=MambaMixerSubmodules(in_proj=column, out_proj=row),
                     ),
                     mamba_bda=get_bias_dropout_add,
                 ),
@@ -86,9 +90,9 @@ def local_stack_spec(*, num_experts: int = 0, mamba_params=None, expert_impl: st
                         module=SelfAttention,
                         params={"attn_mask_type": AttnMaskType.causal},
                         submodules=SelfAttentionSubmodules(
-                            linear_qkv=ColumnParallelLinear,
+                            linear_qkv=column,
                             core_attention=DotProductAttention,
-                            linear_proj=RowParallelLinear,
+                            linear_proj=row,
                         ),
                     ),
                     self_attn_bda=get_bias_dropout_add,
@@ -100,7 +104,7 @@ def local_stack_spec(*, num_experts: int = 0, mamba_params=None, expert_impl: st
                     pre_mlp_layernorm=LocalNorm,
                     mlp=ModuleSpec(
                         module=MLP,
-                        submodules=MLPSubmodules(linear_fc1=ColumnParallelLinear, linear_fc2=RowParallelLinear),
+                        submodules=MLPSubmodules(linear_fc1=column, linear_fc2=row),
                     ),
                     mlp_bda=get_bias_dropout_add,
                 ),

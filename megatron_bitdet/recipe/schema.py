@@ -59,6 +59,19 @@ class MoEConfig:
 
 
 @dataclass(frozen=True)
+class FP8Config:
+    """FP8 training. On GPU with Transformer Engine: TE's recipe (megatron's fp8 / fp8_recipe / ...);
+    elsewhere an emulated FP8 linear (quantize, compute on dequantized values) in the local spec."""
+
+    recipe: Literal["none", "delayed", "tensorwise", "mxfp8"] = "none"
+    format: Literal["e4m3", "hybrid"] = "hybrid"  # hybrid: e4m3 forward, e5m2 output gradients
+    amax_history_len: int = bounded(16, ge=1)
+    amax_compute_algo: Literal["max", "most_recent"] = "max"
+    margin: int = bounded(0, ge=0)
+    implementation: Literal["auto", "te", "emulated"] = "auto"  # auto: te with the TE spec, else emulated
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     hybrid_pattern: str = checked(_pattern_issue)
     hidden_size: int = bounded(ge=1)
@@ -80,6 +93,7 @@ class ModelConfig:
     cross_entropy_loss_fusion: bool = False
     mamba: MambaConfig = field(default_factory=MambaConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
+    fp8: FP8Config = field(default_factory=FP8Config)
 
     @property
     def num_layers(self) -> int:

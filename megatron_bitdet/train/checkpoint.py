@@ -1,7 +1,8 @@
 """Full-state checkpoints with megatron-core ``dist_checkpointing``.
 
 What a restore needs to continue bit for bit: model and optimizer shards (distributed optimizer
-included), the LR scheduler, the iteration, *every* RNG (python, numpy, torch CPU, CUDA, megatron's
+included; FP8 scaling state rides in the model as buffers), the fp32 source of a mixed-precision
+run with its compute copy rebuilt from it (``precision.rebuild_compute_copy``), the LR scheduler, the iteration, *every* RNG (python, numpy, torch CPU, CUDA, megatron's
 tracker) and the data position, per rank. A save is atomic: shards go to ``iter_N.tmp/``; only
 after every rank finished does rank 0 write ``bitdet_meta.json`` (digests of every file) and rename
 the directory, then ``latest``. A directory without that file is incomplete by definition, and a
@@ -22,6 +23,7 @@ import xxhash
 from megatron_bitdet.compat.checkpoint import SHARDED_METADATA, load_optimizer_state, prepare_optimizer_for_load
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.rundir import LATEST, iter_dir
+from megatron_bitdet.train.precision import rebuild_compute_copy
 
 META = "bitdet_meta.json"
 
@@ -225,5 +227,7 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
     for key, m in zip(sorted(keys), ddp_modules):
         m.module.load_state_dict(state[key], strict=True)
     load_optimizer_state(optimizer, state["optimizer"])
+    # The fp32 source is restored; the 16-bit compute copy is rebuilt from it the way training does.
+    rebuild_compute_copy(optimizer)
     scheduler.load_state_dict(state["scheduler"])
     return int(state["iteration"]), state["bitdet_rank_state"]

@@ -15,6 +15,7 @@ import torch
 from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 from megatron_bitdet.train.console import Console
 from megatron_bitdet.train.module_state import buffers_digest, capture_module_rng, generators_digest
+from megatron_bitdet.train.precision import step_digests
 from megatron_bitdet.train.step_fingerprints import buffer_digest, ddp_buffers
 
 
@@ -61,7 +62,7 @@ def _moe_aux_losses(recipe, num_microbatches: int) -> dict:
     return out
 
 
-def step_digests(model, grads_digest: str) -> dict:
+def state_digests(model, grads_digest: str) -> dict:
     """params and grads (DDP buffers), the model's buffers (router expert_bias, ...), and its own
     generators' states when it holds any."""
     chunks = [m.module for m in model]
@@ -216,7 +217,7 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "lr": float(lr),
             }
-            writer.write(step, metrics, step_digests(model, grads_digest))
+            writer.write(step, metrics, {**state_digests(model, grads_digest), **step_digests(model)})
             console.step(step, stop, elapsed_ms=elapsed * 1000, lr=lr, lm_loss=lm_loss, aux=aux_total,
                          grad_norm=grad_norm, consumed=data.consumed_samples, skipped=0 if ok else 1)
             if save_root and save_interval and step % save_interval == 0:

@@ -69,12 +69,17 @@ def check_determinism_kept(recipe, config, provider) -> None:
 def build_model(recipe, config, provider) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.transformer.module import Float16Module
 
     model = provider(
         recipe, config,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
     )
     check_determinism_kept(recipe, config, provider)
+    if config.bf16 or config.fp16:
+        # megatron's mixed-precision wrapper, as Megatron-LM's get_model applies it: every parameter in
+        # 16 bits (Mamba's fp32-initialized A_log / D / dt_bias too), fp32 outputs on the last stage.
+        model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=False,

@@ -12,12 +12,15 @@ from pathlib import Path
 import torch
 
 from megatron_bitdet.rundir import snapshot_path
+from megatron_bitdet.train import precision
 from megatron_bitdet.train.checkpoint import capture_rng
 from megatron_bitdet.train.module_state import capture_module_rng, module_buffers
 
 # Restore components a fault-injection test may skip (``--fault-skip-restore``); never set in real runs.
+# compute_copy.rounding: the bf16 compute copy converted from the fp32 source rounding toward zero;
+# fp8.amax_history: the FP8 delayed-scaling state left fresh.
 FAULTS = ("rng.python", "rng.numpy", "rng.torch_cpu", "rng.tracker", "rng.module", "data", "optimizer.exp_avg",
-          "scheduler")
+          "scheduler", "compute_copy.rounding", "fp8.amax_history")
 
 
 def _optimizer_state(optimizer) -> dict:
@@ -37,22 +40,27 @@ def _optimizer_state(optimizer) -> dict:
 
 
 def take_snapshot(run_dir, step: int, *, rank: int, ddp_modules, optimizer, scheduler, data) -> Path:
+    """Components: ``parameters`` (in a mixed-precision run ``bf16_compute_copy``, next to its source
+    ``fp32_main_params``), ``fp8_scaling`` when FP8 keeps state, optimizer, scheduler, rng, data."""
+    params = {f"{i}.{name}": p.detach().clone()
+              for i, m in enumerate(ddp_modules) for name, p in m.module.named_parameters()}
+    compute_copy = precision.compute_copy_name(ddp_modules)
     chunks = [m.module for m in ddp_modules]
     rng = capture_rng()
     rng.update({f"module:{where}": s for where, s in capture_module_rng(chunks).items()})
-    state = {
-        "step": step,
-        "rank": rank,
-        "parameters": {
-            f"{i}.{name}": p.detach().clone()
-            for i, m in enumerate(ddp_modules) for name, p in m.module.named_parameters()
-        },
-        "buffers": {name: b.detach().clone() for name, b in module_buffers(chunks).items()},
+    state = {"step": step, "rank": rank, compute_copy or "parameters": params,
+             "buffers": {name: b.detach().clone() for name, b in module_buffers(chunks).items()}}
+    if compute_copy:
+        state["fp32_main_params"] = {n: t.detach().clone() for n, t in precision.main_params(ddp_modules)}
+    fp8 = precision.fp8_scaling_state(ddp_modules)
+    if fp8:
+        state["fp8_scaling"] = {n: t.detach().clone() for n, t in fp8.items()}
+    state.update({
         "optimizer": _optimizer_state(optimizer),
         "scheduler": dict(scheduler.state_dict()),
         "rng": rng,
         "data": data.state_dict(),
-    }
+    })
     path = snapshot_path(run_dir, step, rank)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")
@@ -61,11 +69,16 @@ def take_snapshot(run_dir, step: int, *, rank: int, ddp_modules, optimizer, sche
     return path
 
 
-def inject_restore_faults(faults, *, optimizer, scheduler_state_before: dict, scheduler, data, data_state_before):
+def inject_restore_faults(faults, *, ddp_modules, optimizer, scheduler_state_before: dict, scheduler, data,
+                          data_state_before):
     """Undo selected parts of a restore, as a buggy resume would (test-only)."""
     for fault in faults:
         if fault not in FAULTS:
             raise ValueError(f"unknown restore fault {fault!r}; known: {', '.join(FAULTS)}")
+    if "compute_copy.rounding" in faults:
+        precision.fault_round_compute_copy(optimizer)
+    if "fp8.amax_history" in faults:
+        precision.fault_drop_fp8_scaling(ddp_modules)
     if "optimizer.exp_avg" in faults:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             for param_state in opt.optimizer.state.values():

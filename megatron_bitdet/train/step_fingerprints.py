@@ -11,5 +11,10 @@ def ddp_buffers(ddp_modules, attr: str) -> list:
 
 
 def buffer_digest(ddp_modules, attr: str) -> str:
-    """Digest of the rank's DDP buffers: one hash over a few large tensors, negligible next to a step."""
-    return state_digest((f"buf{i}", t) for i, t in enumerate(ddp_buffers(ddp_modules, attr)))
+    """Digest of the rank's DDP buffers: one hash over a few large tensors, negligible next to a step.
+    Without the distributed optimizer megatron allocates no ``param_data`` for 16-bit params: those
+    buffers are digested as their params, in buffer order."""
+    buffers = [b for m in ddp_modules for b in (*m.buffers, *m.expert_parallel_buffers)]
+    return state_digest(item for i, b in enumerate(buffers)
+                        for item in ([(f"buf{i}", getattr(b, attr))] if getattr(b, attr) is not None
+                                     else [(f"buf{i}.{j}", p.detach()) for j, p in enumerate(b.params)]))

@@ -97,8 +97,9 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict) -> int:
             restore_module_rng([m.module for m in state.ddp_modules], rank_state.get("module_rng"), source=load)
         data.load_state_dict(rank_state["data"])
         if faults:
-            inject_restore_faults(faults, optimizer=state.optimizer, scheduler_state_before=fresh["scheduler"],
-                                  scheduler=state.scheduler, data=data, data_state_before=fresh["data"])
+            inject_restore_faults(faults, ddp_modules=state.ddp_modules, optimizer=state.optimizer,
+                                  scheduler_state_before=fresh["scheduler"], scheduler=state.scheduler, data=data,
+                                  data_state_before=fresh["data"])
             console.note(f"FAULT INJECTION: restore skipped {', '.join(faults)}")
         console.note(f"resumed from {load} at iteration {start}")
         if start in snapshot_at:

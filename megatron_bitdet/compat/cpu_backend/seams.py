@@ -53,6 +53,8 @@ _CUDA_LITERALS = [
     ("device='cuda'", "device='cpu'"),
     ('device="cuda"', 'device="cpu"'),
     ("'torch.cuda.FloatTensor'", "'torch.FloatTensor'"),
+    ("'torch.cuda.HalfTensor'", "'torch.HalfTensor'"),
+    ("'torch.cuda.BFloat16Tensor'", "'torch.BFloat16Tensor'"),
 ]
 
 
@@ -225,9 +227,13 @@ def triton_inference_ops():
 def cuda_device_literals():
     """``device='cuda'`` is hard-coded in the optimizers' scalar buffers, gradient clipping and
     norms, the schedules' token counters, MoE metric tracking, default attention masks and the rerun
-    state machine; ``clip_grads`` and the distributed optimizer accept only 'torch.cuda.FloatTensor'."""
+    state machine; ``clip_grads`` and the optimizers sort parameters by ``tensor.type()`` against
+    'torch.cuda.FloatTensor' / 'HalfTensor' / 'BFloat16Tensor' (a CPU bf16 param is
+    'torch.BFloat16Tensor': "Wrapped parameters must be one of torch.cuda.FloatTensor, ...")."""
     for target in (
         "megatron.core.optimizer.optimizer:MixedPrecisionOptimizer.__init__",
+        "megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
+        "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer.__init__",
         "megatron.core.optimizer.optimizer:FP32Optimizer.__init__",
         "megatron.core.optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
         "megatron.core.optimizer.clip_grads:get_grad_norm_fp32",

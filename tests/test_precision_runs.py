@@ -1,0 +1,112 @@
+"""Low precision on real 2-rank gloo training: bf16 mixed precision (plain and distributed optimizer)
+and emulated FP8 (delayed scaling, bf16 params) are bitwise equal independently and across a
+2-restore resume chain, with the fp32 source, the bf16 compute copy and the FP8 scaling state checked
+after every restore; a restore that rounds the compute copy another way, or drops the amax history,
+is caught by name. Per configuration one `bitdet verify-resume` invocation as the README writes it
+(reference + 2-restore chain) and one independent twin, shared by this module."""
+import io
+import json
+from contextlib import redirect_stdout
+from pathlib import Path
+
+import pytest
+import torch
+
+from megatron_bitdet.analysis.compare import compare_runs
+from megatron_bitdet.cli import main
+from megatron_bitdet.recipe import load_recipe
+from megatron_bitdet.train.run import RunOptions, launch_training
+from megatron_bitdet.workflows.resume import verify_resume
+
+ROOT = Path(__file__).resolve().parents[1]
+ITERATIONS = ["training.iterations=4"]
+RESUME_AT = [2, 3]
+CONFIGS = {
+    "bf16": ("nemotron_h_tiny_bf16.yaml", ["parallel.distributed_optimizer=false"]),
+    "bf16_distopt": ("nemotron_h_tiny_bf16.yaml", []),
+    "fp8": ("nemotron_h_tiny_fp8.yaml", []),
+}
+DIGESTS = {"bf16": {"params", "grads", "main_params"}, "bf16_distopt": {"params", "grads", "main_params"},
+           "fp8": {"params", "grads", "main_params", "fp8_values", "fp8_scales"}}
+STATE = {"bf16_compute_copy", "fp32_main_params", "optimizer", "scheduler", "rng.python", "rng.numpy",
+         "rng.torch_cpu", "rng.tracker", "data"}
+
+pytestmark = pytest.mark.timeout(600)
+
+
+def _recipe(name):
+    path, overrides = CONFIGS[name]
+    return load_recipe(str(ROOT / "recipes" / path), [*ITERATIONS, *overrides])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Per configuration, made on first use: the verify-resume report (JSON) with its reference, and a twin."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            path, overrides = CONFIGS[name]
+            root = tmp_path_factory.mktemp(name)
+            out = io.StringIO()
+            with redirect_stdout(out):
+                rc = main(["verify-resume", "--recipe", str(ROOT / "recipes" / path), "--resume-at", "2,3",
+                           "--out", str(root / "chain"), "--json", *ITERATIONS, *overrides])
+            text = out.getvalue()
+            assert rc == 0, text[-3000:]
+            report = json.loads(text[text.index("{\n"):])
+            recipe = _recipe(name)
+            assert launch_training(recipe, RunOptions(nproc=2, run_dir=root / "twin")) == 0
+            made[name] = (recipe, Path(report["reference_dir"]), root / "twin", report)
+        return made[name]
+
+    return get
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_independent_runs_are_bitwise_equal(runs, name):
+    recipe, reference, twin, _ = runs(name)
+    result = compare_runs(reference, twin)
+    assert result.first_divergence is None
+    assert [s.step for s in result.per_step] == [1, 2, 3, 4]
+    assert set(result.digests_compared) == DIGESTS[name]
+    line = (reference / "fingerprints" / "rank_00000.jsonl").read_text().splitlines()[0]
+    assert '"main_params":"xxh3_128:' in line
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_two_restore_chain_checks_source_and_compute_copy(runs, name):
+    recipe, reference, _, report = runs(name)
+    assert report["holds"] is True
+    assert [p["steps_compared"] for p in report["points"]] == [[1, 2], [3], [4]]
+    expected = STATE | ({"fp8_scaling"} if name == "fp8" else set())
+    for step in RESUME_AT:
+        for rank in (0, 1):
+            assert {c["component"] for c in report["checks"]
+                    if c["resume_step"] == step and c["rank"] == rank} == expected
+    assert all(c["equal"] for c in report["checks"])
+    snap = torch.load(reference / "snapshots" / "iter_0000002" / "rank_00000.pt", weights_only=True)
+    assert {t.dtype for t in snap["bf16_compute_copy"].values()} == {torch.bfloat16}
+    assert {t.dtype for t in snap["fp32_main_params"].values()} == {torch.float32}
+    if name == "fp8":
+        assert {t.dtype for t in snap["fp8_scaling"].values()} == {torch.float32}
+        assert any(k.endswith("fp8_amax_history") and t.abs().sum() > 0 for k, t in snap["fp8_scaling"].items())
+
+
+def test_compute_copy_rounded_another_way_and_dropped_fp8_state_are_named(runs, tmp_path):
+    """Negative controls, both in one resumed segment of the FP8 run (bf16 params, distributed
+    optimizer): the bf16 copy rebuilt from the fp32 source rounding toward zero instead of training's
+    nearest-even conversion, and the FP8 amax history / scales left as a fresh model has them. Each
+    is named as its own component; the fp32 source itself is intact."""
+    recipe, reference, _, _ = runs("fp8")
+    report = verify_resume(recipe, [2], nproc=2, out_dir=tmp_path, reference_dir=reference,
+                           faults=["compute_copy.rounding", "fp8.amax_history"])
+    assert not report.holds
+    fresh, resumed = report.points
+    assert fresh.holds and resumed.failing_components == ["bf16_compute_copy", "fp8_scaling"]
+    for component in ("bf16_compute_copy", "fp8_scaling"):
+        assert {c.rank for c in report.failures if c.component == component} == {0, 1}
+    assert all(c.equal for c in report.checks if c.component in ("fp32_main_params", "optimizer"))
+    assert any(c.key.endswith("fp8_amax_history") for c in report.failures)
+    assert resumed.first_output_divergence == 3
+    assert "bf16_compute_copy differs" in report.summary() and "fp8_scaling differs" in report.summary()
