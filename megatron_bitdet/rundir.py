@@ -6,6 +6,8 @@
       checkpoints/iter_NNNNNNN/         + checkpoints/latest (format: train.checkpoint)
       snapshots/iter_NNNNNNN/rank_XXXXX.pt
       traces/rank_XXXXX.trace.jsonl     with tracing on (format: trace.format)
+      stats/rank_XXXXX.stats.jsonl      per-module statistics, a replay's (format: trace.module_stats)
+      replay/<name>/                    `bitdet replay`'s runs, each a run directory + replay.json
       logs/rank_XXXXX.log               every rank's stdout + stderr
 
 Fingerprints and traces are appended to, so a run that must stand alone starts from a fresh
@@ -52,6 +54,15 @@ def trace_dir(run_dir) -> Path:
 
 def trace_path(run_dir, rank: int) -> Path:
     return trace_dir(run_dir) / f"rank_{rank:05d}.trace.jsonl"
+
+
+def stats_path(run_dir, rank: int) -> Path:
+    return Path(run_dir) / "stats" / f"rank_{rank:05d}.stats.jsonl"
+
+
+def replay_dir(run_dir, name: str) -> Path:
+    """Where ``bitdet replay`` puts one replay of ``run_dir`` by default."""
+    return Path(run_dir) / "replay" / name
 
 
 def logs_dir(run_dir) -> Path:

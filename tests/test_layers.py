@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from pathlib import Path
 
@@ -57,10 +58,9 @@ def _imports(path: Path):
                 yield sub, []
 
 
-def _edges():
-    for module, path in MODULES.items():
-        for target, names in _imports(path):
-            yield module, target, names
+@functools.cache
+def _edges() -> tuple:
+    return tuple((module, target, names) for module, path in MODULES.items() for target, names in _imports(path))
 
 
 def test_every_package_is_placed_in_a_layer():

@@ -37,7 +37,8 @@ class StepFingerprintWriter:
         self.rank = rank
         self._f = open(path, "a", encoding="utf-8")
 
-    def write(self, step: int, metrics: dict, digests: dict) -> None:
+    def write(self, step: int, metrics: dict, digests: dict) -> dict:
+        """Append the step's line; returns it (as written) for whoever checks it on the fly (replay)."""
         line = {
             "v": FORMAT_VERSION,
             "step": step,
@@ -47,6 +48,7 @@ class StepFingerprintWriter:
         }
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._f.flush()
+        return line
 
     def close(self) -> None:
         self._f.flush()

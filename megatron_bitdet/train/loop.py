@@ -1,7 +1,8 @@
 """The pretraining loop on megatron-core: one function per rank (``worker``), launched by
 ``train.launch``. Every step appends a fingerprint line; checkpoints save the full state.
 With a ``Tracer`` the steps inside its window are traced (phases forward / backward, grad_reduce,
-optimizer); without one nothing is installed."""
+optimizer); without one nothing is installed. ``StepHook`` objects (replay: verification, module
+statistics, counterfactual changes) are called around every step."""
 from __future__ import annotations
 
 import time
@@ -17,6 +18,27 @@ from megatron_bitdet.train.console import Console
 from megatron_bitdet.train.module_state import buffers_digest, capture_module_rng, generators_digest
 from megatron_bitdet.train.precision import step_digests
 from megatron_bitdet.train.step_fingerprints import buffer_digest, ddp_buffers
+
+
+_CURRENT = {"step": 0}
+
+
+def current_step() -> int:
+    """The iteration in flight (from 1; 0 outside training): for model providers and hooks that act at
+    a given step, e.g. a planted fault that must come back when the step is replayed."""
+    return _CURRENT["step"]
+
+
+class StepHook:
+    """Called by ``train_steps`` around each step; the base class changes nothing."""
+
+    def begin(self, step: int, state, batches):
+        """Before the step's first micro-batch; returns the iterator its micro-batches come from."""
+        return batches
+
+    def end(self, step: int, line: dict) -> bool:
+        """After the step's fingerprint ``line`` was written; True stops training after this step."""
+        return False
 
 
 def _loss_func(loss_mask, output_tensor):
@@ -163,10 +185,12 @@ class StepOutput:
     grads_digest: str | None = None
 
 
-def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, digest_grads: bool = False) -> StepOutput:
+def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, digest_grads: bool = False,
+               batches=None) -> StepOutput:
     """One training step as megatron-LM runs it: zero the gradient buffers, forward and backward over
     every micro-batch, optimizer step, scheduler step. Traced when ``tracer``'s window holds ``step``;
-    ``digest_grads`` fingerprints the reduced gradients before the optimizer consumes them."""
+    ``digest_grads`` fingerprints the reduced gradients before the optimizer consumes them; ``batches``
+    (default ``data``) is the iterator the micro-batches come from."""
     model, recipe = state.ddp_modules, state.recipe
     for m in model:
         m.zero_grad_buffer()
@@ -174,7 +198,7 @@ def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, dig
     grads_digest = None
     with _traced_step(tracer, state, step) as tr:
         losses = forward_backward(
-            forward_step_func=forward_step, data_iterator=data, model=model,
+            forward_step_func=forward_step, data_iterator=data if batches is None else batches, model=model,
             num_microbatches=data.num_microbatches, seq_length=recipe.model.seq_length,
             micro_batch_size=recipe.training.micro_batch_size, forward_only=False,
         )
@@ -188,7 +212,7 @@ def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, dig
 
 
 def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root, save_interval: int,
-                manifest: dict, console: Console, snapshot_at=frozenset(), tracer=None) -> None:
+                manifest: dict, console: Console, snapshot_at=frozenset(), tracer=None, hooks=()) -> None:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_bitdet.train import checkpoint
@@ -203,7 +227,12 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
     try:
         for step in range(start + 1, stop + 1):
             t0 = time.perf_counter()
-            out = train_step(state, data, forward_backward, tracer=tracer, step=step, digest_grads=True)
+            _CURRENT["step"] = step
+            batches = data
+            for hook in hooks:
+                batches = hook.begin(step, state, batches)
+            out = train_step(state, data, forward_backward, tracer=tracer, step=step, digest_grads=True,
+                             batches=batches)
             losses, ok, grad_norm, lr, grads_digest = out.losses, out.ok, out.grad_norm, out.lr, out.grads_digest
             elapsed = time.perf_counter() - t0
             lm_loss = _lm_loss(losses)
@@ -217,7 +246,7 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
                 "grad_norm": None if grad_norm is None else float(grad_norm),
                 "lr": float(lr),
             }
-            writer.write(step, metrics, {**state_digests(model, grads_digest), **step_digests(model)})
+            line = writer.write(step, metrics, {**state_digests(model, grads_digest), **step_digests(model)})
             console.step(step, stop, elapsed_ms=elapsed * 1000, lr=lr, lm_loss=lm_loss, aux=aux_total,
                          grad_norm=grad_norm, consumed=data.consumed_samples, skipped=0 if ok else 1)
             if save_root and save_interval and step % save_interval == 0:
@@ -230,5 +259,8 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             if step in snapshot_at:
                 take_snapshot(run_dir, step, rank=rank, ddp_modules=model, optimizer=state.optimizer,
                               scheduler=state.scheduler, data=data)
+            if any([hook.end(step, line) for hook in hooks]):  # every hook sees the step
+                break
     finally:
+        _CURRENT["step"] = 0
         writer.close()

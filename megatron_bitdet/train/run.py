@@ -100,8 +100,9 @@ def child_env(recipe) -> dict:
     return env
 
 
-def launch_training(recipe, options: RunOptions) -> int:
-    """Train ``recipe`` on ``options.nproc`` local ranks (or join torchrun); returns the exit code."""
+def launch_training(recipe, options: RunOptions, *, worker: str = WORKER, worker_args: dict | None = None) -> int:
+    """Train ``recipe`` on ``options.nproc`` local ranks (or join torchrun); returns the exit code.
+    ``worker``: a rank entry wrapping ``train.worker.worker`` (replay), also given ``worker_args``."""
     from megatron_bitdet.train.launch import launch
 
     check_layout(recipe, options.nproc)
@@ -110,5 +111,6 @@ def launch_training(recipe, options: RunOptions) -> int:
     Path(options.run_dir).mkdir(parents=True, exist_ok=True)
     if options.save_interval is None:
         options = replace(options, save_interval=recipe.checkpoint.save_interval)
-    return launch(WORKER, options.nproc, {"recipe": recipe.to_dict(), "options": options.to_json()},
+    return launch(worker, options.nproc, {"recipe": recipe.to_dict(), "options": options.to_json(),
+                                          **(worker_args or {})},
                   run_dir=options.run_dir, env=child_env(recipe), console_rank=-1)

@@ -43,8 +43,9 @@ def enforced() -> tuple:
     return _ENFORCEMENT["recipe"], _ENFORCEMENT["enforcement"]
 
 
-def worker(rank: int, world_size: int, *, recipe: dict, options: dict) -> int:
-    """``options``: ``train.run.RunOptions.to_json()``."""
+def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=()) -> int:
+    """``options``: ``train.run.RunOptions.to_json()``; ``hooks``: ``train.loop.StepHook`` objects, from a
+    rank entry that wraps this one in-process (replay)."""
     from megatron.core import parallel_state as ps
 
     from megatron_bitdet.enforce import build_manifest, write_manifest
@@ -112,7 +113,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict) -> int:
     try:
         train_steps(state, data, run_dir=run_dir, start=start, stop=stop, save_root=save_root,
                     save_interval=save_interval, manifest=manifest, console=console,
-                    snapshot_at=snapshot_at - {start}, tracer=tracer)
+                    snapshot_at=snapshot_at - {start}, tracer=tracer, hooks=hooks)
     finally:
         console.close()
         if tracer is not None:
