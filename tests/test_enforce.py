@@ -62,6 +62,7 @@ TRIGGERS = {
     "causal_conv1d_old": ([], {"versions": {"causal-conv1d": "1.5.0.post8"}}),
     "mamba_ssm_nondeterministic": ([], {"versions": {"mamba-ssm": "2.2.2"},
                                         "deterministic_support": {"mamba-ssm": False}}),
+    "flash_attention": (["model.attention_backend=flash"], {}),
     "te_attention_nondeterministic": (["model.spec=te"], {"env": {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1"}}),
 }
 
@@ -98,6 +99,7 @@ def test_rules_silent_on_the_tiny_recipe_with_good_gpu_stack():
     (["model.spec=local"], {"env": {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1"},
                             "versions": {"transformer-engine": "2.8.0"}}),  # TE attention not used
     ([], {"env": {"NCCL_ALGO": "^NVLS"}}),
+    (["model.hybrid_pattern=M-ME", "model.attention_backend=flash"], {}),  # no attention layers
 ])
 def test_rules_silent_where_the_feature_is_unused(overrides, changes):
     recipe = load_recipe(TINY, overrides)

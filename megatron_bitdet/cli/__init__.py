@@ -22,6 +22,7 @@ SUBCOMMANDS = {
     "tax": "measure the determinism tax against the fastest nondeterministic recipe",
     "prove": "the main job: independent runs, resumed runs, comparisons, tax and report",
     "localize": "find the first op whose inputs match but outputs differ between two runs",
+    "megatron_lm": "run Megatron-LM's own pretrain_gpt.py / pretrain_mamba.py unmodified under bitdet",
     "replay": "replay a step bitwise from a checkpoint (verified) and rank its modules; counterfactuals",
 }
 

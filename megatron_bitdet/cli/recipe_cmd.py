@@ -10,6 +10,7 @@ EXAMPLES = """examples:
   bitdet recipe validate nemotron_h_tiny
   bitdet recipe validate nemotron_h_tiny model.moe.router_fusion=true   # refused: rule id, why, fix
   bitdet recipe show nemotron3_nano parallel.tensor=4
+  bitdet recipe megatron-args nemotron_h_8b     # the same run as Megatron-LM flags
 
 exit status: 0 valid, 2 schema error or a feature without a deterministic path"""
 
@@ -35,6 +36,12 @@ def register(subparsers, summary):
                           "filled.", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     _overrides(show)
     show.set_defaults(func=run_show)
+    flags = sub.add_parser("megatron-args", help="print the recipe's model/parallel/training as Megatron-LM flags",
+                           description="Render the model, parallel and training sections as pretrain_mamba.py "
+                           "flags (pass the recipe too, with --recipe, for its determinism section).",
+                           epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _overrides(flags)
+    flags.set_defaults(func=run_megatron_args)
 
 
 def summary_line(recipe) -> str:
@@ -71,4 +78,12 @@ def run_show(args) -> int:
 
     recipe = load_recipe(args.path, args.overrides)
     sys.stdout.write(yaml.safe_dump(recipe.to_dict(), sort_keys=False, default_flow_style=None))
+    return 0
+
+
+def run_megatron_args(args) -> int:
+    from megatron_bitdet.megatron_lm.args import render_line
+    from megatron_bitdet.recipe import load_recipe
+
+    print(render_line(load_recipe(args.path, args.overrides)))
     return 0

@@ -23,9 +23,9 @@ def _default_nproc() -> int:
     return int(os.environ["WORLD_SIZE"]) if under_torchrun() else 2
 
 
-def add_run_args(p) -> None:
+def add_run_args(p, *, recipe_required: bool = True) -> None:
     """Arguments shared by every command that trains (train, verify-resume, prove, tax)."""
-    p.add_argument("--recipe", required=True, metavar="RECIPE", help="a shipped recipe's name (e.g. nemotron_h_tiny) or a recipe YAML file")
+    p.add_argument("--recipe", required=recipe_required, metavar="RECIPE", help="a shipped recipe's name (e.g. nemotron_h_tiny) or a recipe YAML file")
     p.add_argument("--nproc", type=int, default=_default_nproc(),
                    help="ranks on this machine (default 2; under torchrun its WORLD_SIZE)")
     p.add_argument("--deterministic-mode", action="store_true",

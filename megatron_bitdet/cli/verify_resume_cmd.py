@@ -16,6 +16,8 @@ from megatron_bitdet.cli.train_cmd import add_run_args, load_run_recipe
 EXAMPLES = """examples:
   bitdet verify-resume --recipe nemotron_h_tiny --resume-at 2,5
   bitdet verify-resume --recipe R --resume-at 4 --out runs/vr --json training.iterations=8
+  bitdet verify-resume --megatron-lm $MEGATRON_LM_PATH/pretrain_mamba.py --resume-at 2 --out runs/vr \
+      -- --deterministic-mode --train-iters 4 ...   # Megatron-LM's own --save/--load checkpoints
 
 out directory: reference/ (uninterrupted run with live-state snapshots) and one run directory per
 segment of the chain (segment_NN_<start>-<stop>/): each a fresh launch that restores the previous
@@ -25,7 +27,13 @@ segment's checkpoint. Segment directories are replaced on every invocation."""
 def register(subparsers, summary: str) -> None:
     p = subparsers.add_parser("verify-resume", help=summary, description=__doc__, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_run_args(p)
+    add_run_args(p, recipe_required=False)
+    p.add_argument("--megatron-lm", metavar="SCRIPT",
+                   help="verify Megatron-LM's own checkpoints: SCRIPT (pretrain_gpt.py / pretrain_mamba.py) "
+                        "with the launch line after --, e.g. -- --deterministic-mode --train-iters 4 ...")
+    p.add_argument("--skip-restore", action="append", default=[], metavar="WHAT",
+                   help="with --megatron-lm: pass Megatron-LM's own --no-load-rng (rng) or --no-load-optim "
+                        "(optimizer) to every resumed segment, i.e. a restore deliberately skipped")
     p.add_argument("--resume-at", required=True, metavar="K1,K2,...",
                    help="iterations to stop and restore at: strictly increasing, each in 1..iterations-1")
     p.add_argument("--out", metavar="DIR", help="where the runs go (default runs/verify_resume/<recipe name>)")
@@ -41,8 +49,20 @@ def register(subparsers, summary: str) -> None:
 
 
 def run(args) -> int:
+    from megatron_bitdet.errors import BitdetInputError
     from megatron_bitdet.workflows.resume import check_resume_at, parse_resume_at, verify_resume
 
+    if args.megatron_lm:
+        from megatron_bitdet.workflows.megatron_resume import verify_megatron_resume
+
+        line = args.overrides[1:] if args.overrides[:1] == ["--"] else list(args.overrides)
+        report = verify_megatron_resume(
+            args.megatron_lm, line, parse_resume_at(args.resume_at), nproc=args.nproc, skip_restore=args.skip_restore,
+            reference_dir=args.reference,
+            out_dir=args.out or os.path.join("runs", "verify_resume", os.path.basename(args.megatron_lm)))
+        return _print_report(report, args)
+    if not args.recipe:
+        raise BitdetInputError("--recipe is required (or --megatron-lm SCRIPT -- <launch line>)")
     recipe = load_run_recipe(args)
     resume_at = check_resume_at(parse_resume_at(args.resume_at), recipe.training.iterations)
     if args.model_provider:
@@ -54,6 +74,10 @@ def run(args) -> int:
         recipe, resume_at, nproc=args.nproc, out_dir=args.out or os.path.join("runs", "verify_resume", recipe.name),
         model_provider=args.model_provider, faults=args.fault_skip_restore, reference_dir=args.reference,
     )
+    return _print_report(report, args)
+
+
+def _print_report(report, args) -> int:
     if args.json:
         print(json.dumps(report.to_json(), indent=1))
     else:

@@ -97,6 +97,13 @@ RULES = (
          "and an autotuned block size",
          "install a mamba-ssm whose kernels honour MAMBA_DETERMINISTIC",
          swap="ssd_scan"),
+    Rule("flash_attention",
+         lambda r, f: _flag(r.model.has("*") and r.model.attention_backend == "flash",
+                            "model.attention_backend is flash (--attention-backend flash / --use-flash-attn)"),
+         "flash-attn's backward accumulates dQ across key blocks with atomic adds unless called with "
+         "deterministic=True, which megatron-core 0.16.1 does not pass (Megatron-LM refuses --use-flash-attn)",
+         "set model.attention_backend: auto (TE then picks a deterministic backend under "
+         "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0) or unfused / local"),
     Rule("te_attention_nondeterministic",
          lambda r, f: _flag(_te_attention(r, f) and f.env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") != "0",
                             f"TE attention with NVTE_ALLOW_NONDETERMINISTIC_ALGO="

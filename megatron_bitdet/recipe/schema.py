@@ -89,6 +89,8 @@ class ModelConfig:
     attention_dropout: float = bounded(0.0, ge=0.0, lt=1.0)
     params_dtype: Literal["float32", "bfloat16", "float16"] = "float32"
     spec: Literal["auto", "local", "te"] = "auto"
+    # Megatron's --attention-backend; flash has no deterministic backward in megatron-core 0.16.1
+    attention_backend: Literal["auto", "flash", "fused", "unfused", "local"] = "auto"
     mtp_num_layers: int = bounded(0, ge=0)
     cross_entropy_loss_fusion: bool = False
     mamba: MambaConfig = field(default_factory=MambaConfig)

@@ -77,7 +77,8 @@ def run_rank(worker_path: str, args, backend: str | None = None) -> int:
     before = getattr(fn, "before_process_group", None)
     if before is not None:  # e.g. determinism enforcement: must precede communicator creation
         before(rank, world, **args) if isinstance(args, dict) else before(rank, world, *args)
-    dist.init_process_group(backend, rank=rank, world_size=world)
+    if not getattr(fn, "owns_process_group", False):  # e.g. Megatron-LM's initialize creates its own
+        dist.init_process_group(backend, rank=rank, world_size=world)
     result = fn(rank, world, **args) if isinstance(args, dict) else fn(rank, world, *args)
     # Teardown only on success: destroying the group while raising would make the peers fail
     # first and hide which rank was the culprit (the launcher names the first rank to exit).

@@ -17,7 +17,7 @@ from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 from megatron_bitdet.train.console import Console
 from megatron_bitdet.train.module_state import buffers_digest, capture_module_rng, generators_digest
 from megatron_bitdet.train.precision import step_digests
-from megatron_bitdet.train.step_fingerprints import buffer_digest, ddp_buffers
+from megatron_bitdet.train.step_fingerprints import buffer_digest, ddp_buffers, step_metrics
 
 
 _CURRENT = {"step": 0}
@@ -70,18 +70,13 @@ def _moe_aux_losses(recipe, num_microbatches: int) -> dict:
 
     name = _TRACKER_NAMES.get(recipe.model.moe.load_balancing) if recipe.model.has("E") else None
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-    out = {}
     if name is not None:
         if name not in tracker:  # a pipeline stage without MoE layers still joins the PP-group sum
             device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
             tracker[name] = {"values": torch.zeros(len(recipe.model.hybrid_pattern), device=device),
                              "reduce_group": None, "avg_group": None, "reduce_group_has_dp": False}
         moe_utils.reduce_aux_losses_tracker_across_ranks([name])
-        for layer, v in enumerate(tracker[name]["values"] / num_microbatches):
-            if v != 0:
-                out[f"{name}/layer_{layer + 1:02d}"] = v.to(torch.float32)
-    moe_utils.clear_aux_losses_tracker()
-    return out
+    return moe_aux_losses(num_microbatches, names=[name] if name else [])
 
 
 def state_digests(model, grads_digest: str) -> dict:
@@ -237,15 +232,8 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             elapsed = time.perf_counter() - t0
             lm_loss = _lm_loss(losses)
             aux = _moe_aux_losses(recipe, data.num_microbatches)
-            aux_total = sum(aux.values()) * moe_coeff if aux else None
-            metrics = {
-                "loss": None if lm_loss is None else (lm_loss + aux_total if aux_total is not None else lm_loss),
-                "lm_loss": lm_loss,
-                "aux_loss": aux_total,
-                **{f"aux_loss/{k}": v for k, v in aux.items()},
-                "grad_norm": None if grad_norm is None else float(grad_norm),
-                "lr": float(lr),
-            }
+            metrics = step_metrics(lm_loss=lm_loss, aux=aux, aux_coeff=moe_coeff, grad_norm=grad_norm, lr=lr)
+            aux_total = metrics["aux_loss"]
             line = writer.write(step, metrics, {**state_digests(model, grads_digest), **step_digests(model)})
             console.step(step, stop, elapsed_ms=elapsed * 1000, lr=lr, lm_loss=lm_loss, aux=aux_total,
                          grad_norm=grad_norm, consumed=data.consumed_samples, skipped=0 if ok else 1)

@@ -5,6 +5,40 @@ from __future__ import annotations
 from megatron_bitdet.fingerprint.tensor import state_digest
 
 
+def moe_aux_losses(num_microbatches: int, *, names=None, clear: bool = True) -> dict:
+    """Per-layer load-balancing losses from megatron's tracker (``names``: only these entries).
+    Megatron-LM's own logging reduces and clears the tracker after the step, so under it the rank's
+    own values are read without clearing (``clear=False``)."""
+    import torch
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    out = {}
+    for name, entry in get_moe_layer_wise_logging_tracker().items():
+        if names is not None and name not in names:
+            continue
+        values = entry["values"] / num_microbatches
+        for layer, v in enumerate(values):
+            if v != 0:
+                out[f"{name}/layer_{layer + 1:02d}"] = v.to(torch.float32)
+    if clear:
+        clear_aux_losses_tracker()
+    return out
+
+
+def step_metrics(*, lm_loss, aux: dict, aux_coeff: float, grad_norm, lr, num_zeros=None) -> dict:
+    """The metrics of one fingerprint line, for bitdet's loop and Megatron-LM's alike."""
+    aux_total = sum(aux.values()) * aux_coeff if aux else None
+    return {
+        "loss": None if lm_loss is None else (lm_loss + aux_total if aux_total is not None else lm_loss),
+        "lm_loss": lm_loss,
+        "aux_loss": aux_total,
+        **{f"aux_loss/{k}": v for k, v in aux.items()},
+        "grad_norm": None if grad_norm is None else float(grad_norm),
+        "num_zeros": None if num_zeros is None else float(num_zeros),
+        "lr": float(lr),
+    }
+
+
 def ddp_buffers(ddp_modules, attr: str) -> list:
     """megatron DDP's contiguous ``param_data`` or ``grad_data`` buffers on this rank, dense then expert."""
     return [getattr(b, attr) for m in ddp_modules for b in (*m.buffers, *m.expert_parallel_buffers)]

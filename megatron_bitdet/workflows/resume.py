@@ -243,15 +243,29 @@ def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_pr
                                       model_provider=model_provider)
     reference_dir = Path(reference_dir)
     _check_reference(reference_dir, recipe, steps, nproc)
+
+    def segment(run_dir: Path, start: int, stop: int, load_from: Path | None) -> None:
+        last = stop == iterations
+        _launch(recipe, run_dir, f"segment {start}->{stop}", nproc=nproc, model_provider=model_provider,
+                save_interval=0 if last else stop, stop_at=None if last else stop,
+                load=None if load_from is None else str(iter_dir(checkpoints_dir(load_from), start)),
+                snapshot_at=[start] if start else [], fault_skip_restore=faults if start else [])
+
+    return run_chain(segment, name=recipe.name, steps=steps, iterations=iterations, nproc=nproc,
+                     out_dir=out_dir, reference_dir=reference_dir, faults=faults)
+
+
+def run_chain(segment, *, name: str, steps: list[int], iterations: int, nproc: int, out_dir: Path,
+              reference_dir: Path, faults) -> ResumeReport:
+    """The chain of fresh launches 0->K1->K2->...->end, each restoring the previous one's checkpoint;
+    ``segment(run_dir, start, stop, load_from)`` launches one (for ``bitdet train`` or Megatron-LM).
+    Every restored state is compared with the reference's snapshot, every later step's fingerprints
+    with the reference's."""
     bounds = [0, *steps, iterations]
     points, checks, previous = [], [], None
     for i, (start, stop) in enumerate(zip(bounds, bounds[1:])):
         run_dir = out_dir / f"segment_{i:02d}_{start:07d}-{stop:07d}"
-        last = stop == iterations
-        _launch(recipe, run_dir, f"segment {start}->{stop}", nproc=nproc, model_provider=model_provider,
-                save_interval=0 if last else stop, stop_at=None if last else stop,
-                load=None if previous is None else str(iter_dir(checkpoints_dir(previous), start)),
-                snapshot_at=[start] if start else [], fault_skip_restore=faults if start else [])
+        segment(run_dir, start, stop, previous)
         point = ResumePoint(step=start, stop=stop, run_dir=str(run_dir), state_holds=None)
         if start:
             point_checks = [c for rank in range(nproc) for c in compare_snapshots(reference_dir, run_dir, start, rank)]
@@ -261,8 +275,8 @@ def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_pr
         _compare_outputs(reference_dir, run_dir, point)
         points.append(point)
         previous = run_dir
-    return ResumeReport(recipe=recipe.name, reference_dir=str(reference_dir), out_dir=str(out_dir),
-                        resume_at=steps, iterations=iterations, faults=faults, points=points, checks=checks)
+    return ResumeReport(recipe=name, reference_dir=str(reference_dir), out_dir=str(out_dir),
+                        resume_at=steps, iterations=iterations, faults=list(faults), points=points, checks=checks)
 
 
 def _compare_outputs(reference_dir: Path, run_dir: Path, point: ResumePoint) -> None:

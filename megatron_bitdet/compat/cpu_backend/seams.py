@@ -58,7 +58,7 @@ _CUDA_LITERALS = [
 ]
 
 
-def _cuda_literals_to_cpu(target: str) -> None:
+def _cuda_literals_to_cpu(target: str, literals=_CUDA_LITERALS, modules=None) -> None:
     """Recompile ``module:Qual.name`` with its hard-coded CUDA device literals pointed at the CPU.
 
     The source must still contain at least one literal, so a megatron-core change under the seam
@@ -74,7 +74,7 @@ def _cuda_literals_to_cpu(target: str) -> None:
     fn = inspect.unwrap(raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw)
     src = textwrap.dedent(inspect.getsource(fn))
     hits = 0
-    for old, new in _CUDA_LITERALS:
+    for old, new in literals:
         hits += src.count(old)
         src = src.replace(old, new)
     if not hits:
@@ -90,7 +90,7 @@ def _cuda_literals_to_cpu(target: str) -> None:
     new.__wrapped__ = fn
     setattr(owner, attr, new)
     if not inspect.isclass(owner):
-        rebind({raw: new})
+        rebind({raw: new}, modules)
 
 
 class _NullEvent:

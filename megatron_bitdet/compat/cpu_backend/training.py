@@ -1,0 +1,170 @@
+"""The seams between Megatron-LM's ``megatron.training`` (core_v0.16.1) and a CPU-only torch.
+
+Installed by the Megatron-LM entry point (``megatron_bitdet.megatron_lm``) after the megatron-core
+seams and before the user's script is imported, only when CUDA is unavailable. Each seam says what
+breaks without it; the source rewrites fail loudly when Megatron-LM's source changed under them.
+"""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import types
+
+import torch
+
+from megatron_bitdet.compat.cpu_backend.seams import _CUDA_LITERALS, _cuda_literals_to_cpu
+from megatron_bitdet.compat.rebind import rebind
+from megatron_bitdet.errors import BitdetError
+
+_INSTALLED: list[str] = []
+_PREFIXES = ("megatron.core", "megatron.training", "megatron.legacy")
+
+
+def _modules() -> list:
+    """Every imported megatron.core / megatron.training / megatron.legacy module (rebinding targets)."""
+    return [m for n, m in list(sys.modules.items()) if n.startswith(_PREFIXES) and m is not None]
+
+# tensor / module moves and CUDA generator calls, pointed at the CPU
+_TRAINING_LITERALS = [
+    *_CUDA_LITERALS,
+    (".cuda(torch.cuda.current_device())", ".cpu()"),
+    (".cuda(non_blocking=True)", ".cpu()"),
+    (".cuda()", ".cpu()"),
+    ("torch.cuda.get_rng_state()", "torch.get_rng_state()"),
+    ("torch.cuda.set_rng_state(", "torch.set_rng_state("),
+    ('device=torch.device("cuda")', 'device=torch.device("cpu")'),
+]
+
+
+def installed() -> list[str]:
+    """Names of the megatron.training seams filled in this process (empty on a GPU)."""
+    return list(_INSTALLED)
+
+
+def install(*, force: bool = False) -> list[str]:
+    """Fill every megatron.training seam if CUDA is unavailable (after ``cpu_backend.install()``)."""
+    if _INSTALLED or (torch.cuda.is_available() and not force):
+        return installed()
+    from megatron_bitdet.compat import cpu_backend
+
+    cpu_backend.install(force=force)
+    batch_invariant_kernels()  # before megatron.training.initialize imports it
+    for seam in SEAMS[1:]:
+        seam()
+    _INSTALLED.extend(s.__name__ for s in SEAMS)
+    return installed()
+
+
+def _rewrite_all(target: str, replacements) -> None:
+    import inspect
+
+    module_name, _, qualname = target.partition(":")
+    fn = getattr(importlib.import_module(module_name), qualname)
+    src = inspect.getsource(inspect.unwrap(fn))
+    missing = [old for old, _ in replacements if old not in src]
+    if missing:
+        raise BitdetError(f"CPU backend: {target} no longer contains {missing}; Megatron-LM changed under the seam")
+    _cuda_literals_to_cpu(target, replacements, _modules())
+
+
+def batch_invariant_kernels():
+    """``megatron.training.initialize`` imports megatron-core's batch-invariant kernels, which import
+    Triton at module load (Triton needs a GPU driver; it is not installed for this). The stand-in has
+    the module's public names; turning batch-invariant mode on raises, saying why."""
+    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
+    if name in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+
+    def unavailable(*_, **__):
+        raise BitdetError("--batch-invariant-mode needs megatron-core's Triton kernels; Triton is unavailable here")
+
+    stub = types.ModuleType(name)
+    stub.__doc__ = "bitdet CPU stand-in: Triton is unavailable"
+    stub.enable_batch_invariant_mode = unavailable
+    stub.set_batch_invariant_mode = lambda enabled=True: unavailable() if enabled else None
+    stub.disable_batch_invariant_mode = lambda: None
+    stub.is_batch_invariant_mode_enabled = lambda: False
+    stub.__all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled",
+                    "disable_batch_invariant_mode", "enable_batch_invariant_mode"]
+    sys.modules[name] = stub
+
+
+def allow_no_cuda():
+    """``pretrain()`` calls ``initialize_megatron()`` without ``allow_no_cuda``: "Megatron requires CUDA"."""
+    from megatron.training import initialize
+
+    original = initialize.initialize_megatron
+
+    def initialize_megatron(*args, **kwargs):
+        kwargs["allow_no_cuda"] = True
+        return original(*args, **kwargs)
+
+    initialize_megatron.__wrapped__ = original
+    initialize.initialize_megatron = initialize_megatron
+    rebind({original: initialize_megatron}, _modules())
+
+
+def model_parallel_groups():
+    """With 0 CUDA devices ``_initialize_distributed`` skips building the model-parallel groups (and
+    would ask NCCL for the process group): the groups are built as with one device per rank, on gloo."""
+    _rewrite_all("megatron.training.initialize:_initialize_distributed", [
+        ("device_count = torch.cuda.device_count()", "device_count = 1  # bitdet CPU seam"),
+        ("torch.cuda.set_device(args.local_rank)", "pass  # bitdet CPU seam"),
+        ("torch.device(f'cuda:{args.local_rank}')", "None"),
+        ("'backend': args.distributed_backend,", "'backend': 'gloo',"),
+    ])
+
+
+def tensor_parallel_seed():
+    """With 0 CUDA devices ``_set_random_seed`` skips seeding megatron's tensor-parallel RNG tracker
+    (dropout inside TP regions would then fail); the tracker forks the CPU generator here."""
+    _rewrite_all("megatron.training.initialize:_set_random_seed", [
+        ("if torch.cuda.device_count() > 0:", "if True:  # bitdet CPU seam"),
+    ])
+
+
+def prebuilt_helpers():
+    """``_compile_dependencies`` runs ``make`` for the dataset helpers (the wheel ships them prebuilt,
+    without a Makefile) and ``fused_kernels.load`` looks for nvcc (no fused kernels on CPU)."""
+    from megatron.core.datasets import utils as dataset_utils
+    from megatron.legacy import fused_kernels
+
+    if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
+        raise BitdetError("megatron-core's prebuilt dataset helpers (helpers_cpp) are missing")
+    dataset_utils.compile_helpers = lambda: None
+    fused_kernels.load = lambda args: None
+
+
+def no_jit_warmup():
+    """``set_jit_fusion_options`` warms megatron's fused bias-GeLU / SwiGLU / dropout-add up on CUDA
+    tensors; there is nothing to warm up on CPU."""
+    from megatron.training import initialize
+
+    initialize._warmup_jit_function = lambda: None
+
+
+def training_device_literals():
+    """``.cuda()`` calls, ``device='cuda'`` literals and CUDA generator calls in Megatron-LM's loop,
+    data, checkpointing and logging functions."""
+    for target in (
+        "megatron.core.rerun_state_machine:RerunStateMachine._save_state",
+        "megatron.core.rerun_state_machine:RerunStateMachine._restore_state",
+        "megatron.training.checkpointing:read_metadata",
+        "megatron.training.checkpointing:get_rng_state",
+        "megatron.training.checkpointing:load_checkpoint",
+        "megatron.training.training:pretrain",
+        "megatron.training.training:get_model",
+        "megatron.training.training:training_log",
+        "megatron.training.training:checkpoint_and_decide_exit",
+        "megatron.training.training:evaluate",
+        "megatron.training.training:evaluate_and_print_results",
+        "megatron.training.training:build_train_valid_test_data_loaders",
+        "megatron.training.utils:calc_params_l2_norm",
+        "megatron.training.utils:calc_dtensor_params_l2_norm",
+        "megatron.training.utils:get_batch_on_this_tp_rank",
+    ):
+        _cuda_literals_to_cpu(target, _TRAINING_LITERALS, _modules())
+
+
+SEAMS = [batch_invariant_kernels, allow_no_cuda, model_parallel_groups, tensor_parallel_seed, prebuilt_helpers,
+         no_jit_warmup, training_device_literals]

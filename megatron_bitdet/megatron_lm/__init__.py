@@ -1,0 +1,1 @@
+"""Megatron-LM's own pretraining (``pretrain_gpt.py``, ``pretrain_mamba.py``), run unmodified under bitdet."""

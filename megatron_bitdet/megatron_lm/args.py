@@ -1,0 +1,265 @@
+"""Megatron-LM arguments <-> bitdet recipes: one table serves both directions.
+
+Under Megatron-LM the flags define the run: the model judged by the rules and recorded in the manifest
+is the recipe *derived from Megatron's parsed args*. A recipe passed with ``--recipe`` contributes its
+``determinism`` section (env, threads, opt-outs, swaps); every model / parallel / training key it sets
+in its file must agree with what Megatron parsed (a differing flag or Megatron default is refused,
+naming both). ``render_flags`` turns a recipe into the flags that make them agree.
+"""
+from __future__ import annotations
+
+import shlex
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+from megatron_bitdet.errors import BitdetInputError
+
+
+@dataclass(frozen=True)
+class Flag:
+    key: str                                  # recipe key path
+    flag: Optional[str]                       # Megatron-LM option string rendered from the recipe
+    get: Callable                             # parsed args -> recipe value (None: not expressed by the args)
+    put: Optional[Callable] = None            # recipe value -> list of flag tokens (default: [flag, value])
+
+
+def _attr(name, default=None):
+    return lambda a: getattr(a, name, default) if getattr(a, name, None) is not None else default
+
+
+def _bool_flag(flag):
+    return lambda v: [flag] if v else []
+
+
+def _dtype(a):
+    return "bfloat16" if getattr(a, "bf16", False) else "float16" if getattr(a, "fp16", False) else "float32"
+
+
+def _activation(a):
+    if getattr(a, "squared_relu", False):
+        return "squared_relu"
+    if getattr(a, "swiglu", False):
+        return "swiglu"
+    return "gelu"
+
+
+def _first(value):
+    return value[0] if isinstance(value, (list, tuple)) else value
+
+
+def _spec(a):
+    impl = getattr(a, "transformer_impl", "transformer_engine")
+    spec = getattr(a, "spec", None) or ()
+    if impl == "local" or (spec and spec[0].startswith("megatron_bitdet")):
+        return "local"
+    return "te"
+
+
+def _moe_expert_impl(a):
+    return "te_grouped" if getattr(a, "moe_grouped_gemm", False) else "sequential"
+
+
+def _attention_backend(a):
+    if getattr(a, "use_flash_attn", False):
+        return "flash"
+    backend = getattr(a, "attention_backend", None)
+    return getattr(backend, "name", backend) or "auto"
+
+
+def hybrid_pattern(a) -> str:
+    """One symbol per layer: Mamba's pattern as given/allocated; a GPT layer is attention then MLP or MoE."""
+    if getattr(a, "hybrid_override_pattern", None) or getattr(a, "is_hybrid_model", False) \
+            or getattr(a, "hybrid_attention_ratio", 0.0):
+        if getattr(a, "hybrid_override_pattern", None):
+            return a.hybrid_override_pattern.replace("|", "")
+        from megatron.core.ssm.mamba_hybrid_layer_allocation import allocate_layers
+
+        return "".join(allocate_layers(a.num_layers, a.hybrid_attention_ratio, a.hybrid_mlp_ratio, None))
+    freq = getattr(a, "moe_layer_freq", 1)
+    n = a.num_layers or 0
+    moe = [bool(getattr(a, "num_experts", None))] * n
+    if isinstance(freq, int) and moe and freq > 1:
+        moe = [i % freq == 0 for i in range(n)]
+    elif isinstance(freq, (list, tuple)) and len(freq) == n:
+        moe = [bool(x) for x in freq]
+    return "".join("*E" if m else "*-" for m in moe)
+
+
+def _pattern_flags(v):
+    return ["--hybrid-override-pattern", v, "--num-layers", str(len(v))]
+
+
+TABLE = (
+    Flag("model.hybrid_pattern", "--hybrid-override-pattern", hybrid_pattern, _pattern_flags),
+    Flag("model.hidden_size", "--hidden-size", _attr("hidden_size")),
+    Flag("model.ffn_hidden_size", "--ffn-hidden-size",
+         lambda a: a.ffn_hidden_size or (4 * a.hidden_size if a.hidden_size else None)),
+    Flag("model.num_attention_heads", "--num-attention-heads", _attr("num_attention_heads")),
+    Flag("model.num_query_groups", "--num-query-groups",
+         lambda a: a.num_query_groups if getattr(a, "group_query_attention", False) else None,
+         lambda v: ["--group-query-attention", "--num-query-groups", str(v)] if v else []),
+    Flag("model.kv_channels", "--kv-channels", _attr("kv_channels")),
+    Flag("model.seq_length", "--seq-length", _attr("seq_length"),
+         lambda v: ["--seq-length", str(v), "--max-position-embeddings", str(v)]),
+    Flag("model.vocab_size", "--vocab-size", lambda a: getattr(a, "padded_vocab_size", None) or a.vocab_size),
+    Flag("model.activation", None, _activation,
+         lambda v: {"squared_relu": ["--squared-relu"], "swiglu": ["--swiglu"], "gelu": []}.get(v, [])),
+    Flag("model.add_bias_linear", "--disable-bias-linear", _attr("add_bias_linear", True),
+         lambda v: [] if v else ["--disable-bias-linear"]),
+    Flag("model.normalization", "--normalization", _attr("normalization")),
+    Flag("model.position_embedding", "--position-embedding-type", _attr("position_embedding_type")),
+    Flag("model.hidden_dropout", "--hidden-dropout", _attr("hidden_dropout")),
+    Flag("model.attention_dropout", "--attention-dropout", _attr("attention_dropout")),
+    Flag("model.params_dtype", None, _dtype,
+         lambda v: {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(v, [])),
+    Flag("model.spec", "--spec", _spec,
+         lambda v: ["--transformer-impl", "local", "--spec", "megatron_bitdet.megatron_lm.specs",
+                    "local_mamba_stack_spec"] if v == "local" else
+         ["--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]),
+    Flag("model.attention_backend", "--attention-backend", _attention_backend),
+    Flag("model.mtp_num_layers", "--mtp-num-layers", _attr("mtp_num_layers", 0),
+         lambda v: ["--mtp-num-layers", str(v)] if v else []),
+    Flag("model.cross_entropy_loss_fusion", "--cross-entropy-loss-fusion", _attr("cross_entropy_loss_fusion", False),
+         _bool_flag("--cross-entropy-loss-fusion")),
+    Flag("model.mamba.num_heads", "--mamba-num-heads", _attr("mamba_num_heads")),
+    Flag("model.mamba.head_dim", "--mamba-head-dim", _attr("mamba_head_dim")),
+    Flag("model.mamba.state_dim", "--mamba-state-dim", _attr("mamba_state_dim")),
+    Flag("model.mamba.num_groups", "--mamba-num-groups", _attr("mamba_num_groups")),
+    Flag("model.moe.num_experts", "--num-experts", _attr("num_experts", 0)),
+    Flag("model.moe.top_k", "--moe-router-topk", _attr("moe_router_topk")),
+    Flag("model.moe.ffn_hidden_size", "--moe-ffn-hidden-size", _attr("moe_ffn_hidden_size")),
+    Flag("model.moe.shared_expert_ffn_hidden_size", "--moe-shared-expert-intermediate-size",
+         _attr("moe_shared_expert_intermediate_size")),
+    Flag("model.moe.router_score_function", "--moe-router-score-function", _attr("moe_router_score_function")),
+    Flag("model.moe.router_expert_bias", "--moe-router-enable-expert-bias",
+         _attr("moe_router_enable_expert_bias", False), _bool_flag("--moe-router-enable-expert-bias")),
+    Flag("model.moe.load_balancing", "--moe-router-load-balancing-type",
+         lambda a: _first(getattr(a, "moe_router_load_balancing_type", None))),
+    Flag("model.moe.aux_loss_coeff", "--moe-aux-loss-coeff", lambda a: _first(getattr(a, "moe_aux_loss_coeff", None))),
+    Flag("model.moe.dispatcher", "--moe-token-dispatcher-type", _attr("moe_token_dispatcher_type")),
+    Flag("model.moe.expert_impl", "--moe-grouped-gemm", _moe_expert_impl,
+         lambda v: ["--moe-grouped-gemm"] if v == "te_grouped" else []),
+    Flag("model.moe.router_fusion", "--moe-router-fusion", _attr("moe_router_fusion", False),
+         _bool_flag("--moe-router-fusion")),
+    Flag("model.moe.permute_fusion", "--moe-permute-fusion", _attr("moe_permute_fusion", False),
+         _bool_flag("--moe-permute-fusion")),
+    Flag("parallel.tensor", "--tensor-model-parallel-size", _attr("tensor_model_parallel_size")),
+    Flag("parallel.pipeline", "--pipeline-model-parallel-size", _attr("pipeline_model_parallel_size")),
+    Flag("parallel.expert", "--expert-model-parallel-size", _attr("expert_model_parallel_size")),
+    Flag("parallel.expert_tensor", "--expert-tensor-parallel-size",
+         lambda a: a.expert_tensor_parallel_size or a.tensor_model_parallel_size),
+    Flag("parallel.context", "--context-parallel-size", _attr("context_parallel_size")),
+    Flag("parallel.sequence_parallel", "--sequence-parallel", _attr("sequence_parallel", False),
+         _bool_flag("--sequence-parallel")),
+    Flag("parallel.distributed_optimizer", "--use-distributed-optimizer", _attr("use_distributed_optimizer", False),
+         _bool_flag("--use-distributed-optimizer")),
+    Flag("parallel.tp_comm_overlap", "--tp-comm-overlap", _attr("tp_comm_overlap", False),
+         _bool_flag("--tp-comm-overlap")),
+    Flag("training.iterations", "--train-iters", _attr("train_iters")),
+    Flag("training.micro_batch_size", "--micro-batch-size", _attr("micro_batch_size")),
+    Flag("training.global_batch_size", "--global-batch-size", _attr("global_batch_size")),
+    Flag("training.seed", "--seed", _attr("seed")),
+    Flag("training.log_interval", "--log-interval", _attr("log_interval")),
+    Flag("training.optimizer.name", "--optimizer", _attr("optimizer")),
+    Flag("training.optimizer.lr", "--lr", _attr("lr")),
+    Flag("training.optimizer.min_lr", "--min-lr", _attr("min_lr")),
+    Flag("training.optimizer.weight_decay", "--weight-decay", _attr("weight_decay")),
+    Flag("training.optimizer.beta1", "--adam-beta1", _attr("adam_beta1")),
+    Flag("training.optimizer.beta2", "--adam-beta2", _attr("adam_beta2")),
+    Flag("training.optimizer.eps", "--adam-eps", _attr("adam_eps")),
+    Flag("training.optimizer.clip_grad", "--clip-grad", _attr("clip_grad")),
+    Flag("training.lr_schedule.style", "--lr-decay-style", _attr("lr_decay_style")),
+    Flag("training.lr_schedule.warmup_iters", "--lr-warmup-iters", _attr("lr_warmup_iters")),
+)
+SECTIONS = ("model", "parallel", "training")
+
+
+def _set(tree: dict, key: str, value) -> None:
+    *parents, leaf = key.split(".")
+    for p in parents:
+        tree = tree.setdefault(p, {})
+    tree[leaf] = value
+
+
+def _get(tree: dict, key: str):
+    for part in key.split("."):
+        if not isinstance(tree, dict) or part not in tree:
+            return None
+        tree = tree[part]
+    return tree
+
+
+def derived_dict(args) -> dict:
+    """The recipe sections Megatron's parsed args describe (keys the args leave unset are omitted)."""
+    out: dict = {}
+    for row in TABLE:
+        value = row.get(args)
+        if value is not None:
+            _set(out, row.key, value)
+    return out
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, float) or isinstance(b, float):
+        try:
+            return float(a) == float(b)
+        except (TypeError, ValueError):
+            return False
+    return a == b
+
+
+def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str | None = None):
+    """The bitdet recipe of a Megatron-LM run: sections from the args, ``determinism`` from ``base``.
+    Raises BitdetInputError naming both sides where ``base`` sets a key the args set differently."""
+    from megatron_bitdet.recipe import Recipe, RecipeError
+
+    derived = derived_dict(args)
+    conflicts = []
+    if base is not None:
+        base_dict = base.to_dict()
+        for row in TABLE:
+            path = tuple(row.key.split("."))
+            if path not in base._locations:
+                continue  # a schema default, not something the recipe file says
+            mine, theirs = _get(base_dict, row.key), _get(derived, row.key)
+            if row.key == "model.spec" and mine == "auto":
+                continue  # auto: whichever family the flags build
+            if row.key == "model.moe.expert_impl" and (mine, theirs) == ("grouped", "sequential"):
+                _set(derived, row.key, mine)  # bitdet's grouped GEMM replaces SequentialMLP: no Megatron flag
+                continue
+            if theirs is not None and not _same(mine, theirs):
+                flag = row.flag or "(derived from the dtype / activation flags)"
+                conflicts.append(f"{base.where(*path)}: {row.key}: the recipe says {mine!r} but Megatron-LM's "
+                                 f"{flag} gives {theirs!r} (render agreeing flags with `bitdet recipe megatron-args`)")
+    if conflicts:
+        raise BitdetInputError("recipe and Megatron-LM flags disagree:\n  " + "\n  ".join(conflicts))
+    tree = {"name": base.name if base is not None else f"megatron-lm:{script}", **derived}
+    tree["data"] = {"corpus": data or "megatron-lm data args"}
+    tree["determinism"] = base.to_dict()["determinism"] if base is not None else {}
+    locations = {k: v for k, v in (base._locations.items() if base is not None else ())
+                 if k and k[0] == "determinism"}
+    try:
+        return Recipe.from_dict(tree, source=getattr(base, "source", "<Megatron-LM args>"), locations=locations)
+    except RecipeError as exc:
+        raise BitdetInputError("these Megatron-LM flags cannot be judged as a bitdet recipe:\n  "
+                               + "\n  ".join(exc.lines)) from None
+
+
+def render_flags(recipe) -> list[str]:
+    """Megatron-LM flags for a recipe's model / parallel / training sections."""
+    data = recipe.to_dict()
+    out: list[str] = []
+    dense = not recipe.model.moe.num_experts
+    for row in TABLE:
+        value = _get(data, row.key)
+        if value is None or (dense and row.key.startswith("model.moe.")):
+            continue
+        if row.put is not None:
+            out += row.put(value)
+        elif row.flag:
+            out += [row.flag, str(value)]
+    return out
+
+
+def render_line(recipe) -> str:
+    return " ".join(shlex.quote(t) for t in render_flags(recipe))

@@ -1,0 +1,134 @@
+"""Run a Megatron-LM pretraining script unmodified under bitdet.
+
+``python -m megatron_bitdet.megatron_lm [--check] PATH/pretrain_mamba.py --deterministic-mode
+[--recipe R.yaml] [--run-dir DIR] <Megatron args>`` (one rank; torchrun starts N of them).
+
+Order, because determinism needs it: (1) the canonical environment, before the script's first import
+(NCCL, cuBLAS, TE and mamba-ssm read it at import or first use); (2) the CPU seams where there is no
+CUDA, megatron.training's included; (3) hooks on Megatron's own seams (``pretrain`` chains bitdet's
+arguments into the script's ``extra_args_provider``; ``validate_args`` judges the parsed args — the
+model that will really be built — enables torch's flags and installs the swaps before any process
+group or model exists; ``train_step`` writes the per-step fingerprints); (4) the script, as ``__main__``.
+"""
+from __future__ import annotations
+
+import os
+import sys
+
+from megatron_bitdet.errors import BitdetError, BitdetInputError
+from megatron_bitdet.megatron_lm.options import preparse
+
+USAGE = "python -m megatron_bitdet.megatron_lm [--check] SCRIPT.py [--deterministic-mode] [--recipe R] <Megatron args>"
+
+
+def load_base_recipe(opts):
+    """The ``--recipe`` (with ``--bitdet-override``s), or None: default determinism settings."""
+    if not opts.recipe:
+        if opts.bitdet_override:
+            raise BitdetInputError("--bitdet-override needs --recipe")
+        return None
+    from megatron_bitdet.recipe import load_recipe
+
+    return load_recipe(opts.recipe, opts.bitdet_override)
+
+
+class DefaultDeterminism:
+    """Stands for "no --recipe": the schema's default determinism section, located nowhere."""
+
+    def __init__(self):
+        from megatron_bitdet.recipe.schema import DeterminismConfig
+
+        self.determinism = DeterminismConfig()
+
+    def where(self, *_path) -> str:
+        return "bitdet's default determinism settings"
+
+
+def canonical_env(base) -> dict:
+    """The canonical environment for the determinism section (launcher values validated, never
+    overwritten); raises DeterminismViolation listing every problem."""
+    from megatron_bitdet.enforce import Violation
+    from megatron_bitdet.enforce.env import ENV_BY_NAME, effective_env, resolve_env
+    from megatron_bitdet.errors import DeterminismViolation
+
+    settings, problems = resolve_env(base if base is not None else DefaultDeterminism(), os.environ)
+    if problems:
+        raise DeterminismViolation([Violation(f"env:{n}", m, ENV_BY_NAME[n].why, f) for n, m, f in problems])
+    return effective_env(settings)
+
+
+def split_argv(argv: list[str]):
+    """(check, script, rest): options before the script are the entry's own."""
+    check = False
+    i = 0
+    while i < len(argv) and argv[i].startswith("-"):
+        if argv[i] == "--check":
+            check = True
+        else:
+            raise BitdetInputError(f"unknown option {argv[i]!r} before the script; usage: {USAGE}")
+        i += 1
+    if i >= len(argv):
+        raise BitdetInputError(f"no script given; usage: {USAGE}")
+    script = argv[i]
+    if not os.path.isfile(script):
+        raise BitdetInputError(f"{script}: no such script")
+    return check, script, argv[i + 1:]
+
+
+def run_as_main(script: str) -> None:
+    """Execute the script as ``__main__`` without putting it in ``sys.modules['__main__']``: helpers
+    that spawn interpreters (dist_checkpointing's save) re-import the *entry's* main module, not the
+    script (which would run again there without the CPU seams)."""
+    with open(script, "rb") as fh:
+        code = compile(fh.read(), script, "exec")
+    exec(code, {"__name__": "__main__", "__file__": script, "__builtins__": __builtins__,
+                "__package__": None, "__spec__": None, "__loader__": None, "__cached__": None})
+
+
+def run(script: str, rest: list[str], *, check: bool = False) -> int:
+    """Everything in this process; returns the exit code (the script's SystemExit code included)."""
+    from megatron_bitdet.megatron_lm import hooks
+
+    opts = preparse(rest)
+    base = load_base_recipe(opts)
+    mode = bool(opts.deterministic_mode or (base is not None and base.determinism.mode and check))
+    if mode and not check:
+        os.environ.update(canonical_env(base))
+    script = os.path.abspath(script)
+    sys.path.append(os.path.dirname(script))  # after site-packages: megatron.core stays the installed wheel
+    import torch
+
+    if not torch.cuda.is_available():
+        from megatron_bitdet.compat.cpu_backend import training as training_seams
+
+        training_seams.install()
+    session = hooks.Session(script=script, argv=[script, *rest], base=base, opts=opts, check=check)
+    hooks.install(session)
+    sys.argv = [script, *rest]
+    try:
+        run_as_main(script)
+    except hooks.CheckDone as done:
+        return done.code
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        session.close()
+    return 0
+
+
+def main(argv: list[str]) -> int:
+    try:
+        check, script, rest = split_argv(argv)
+        return run(script, rest, check=check)
+    except BitdetError as exc:
+        print(f"bitdet megatron-lm: error: {exc}", file=sys.stderr, flush=True)
+        return exc.exit_code
+
+
+def rank_worker(rank: int, world_size: int, *, script: str, argv: list, check: bool = False) -> int:
+    """One rank of ``bitdet megatron-lm --nproc N`` (``train.launch``): Megatron creates the process group."""
+    return run(script, list(argv), check=check)
+
+
+rank_worker.owns_process_group = True

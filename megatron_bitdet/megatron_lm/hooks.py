@@ -1,0 +1,331 @@
+"""Hooks on Megatron-LM's own seams (``megatron.training``), installed before the script runs.
+
+- ``pretrain``: bitdet's arguments are chained into whatever ``extra_args_provider`` the script passes;
+  under ``--check`` the parsed launch line is judged and nothing trains.
+- ``initialize.validate_args``: before Megatron's one-at-a-time asserts, the parsed args become the run's
+  recipe and are judged (every violation at once, opt-outs honoured), enforcement is enabled, the swaps
+  are installed and the manifest written — all before any process group or model exists.
+- ``build_train_valid_test_data_iterators``: creating the DataLoader iterator draws a seed from the CPU
+  generator, which on CPU is also the generator dropout draws from; it draws on a saved-and-restored
+  state here, so a resumed run's dropout stream equals the uninterrupted run's.
+- ``train_step``: one fingerprint line per step on every rank (the writer ``bitdet train`` uses).
+- checkpoint load: megatron-core 0.16.1's distributed optimizer with torch's Adam (the same two step
+  bugs ``bitdet train`` works around).
+"""
+from __future__ import annotations
+
+import functools
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from megatron_bitdet.errors import DeterminismViolation
+
+class CheckDone(Exception):
+    """``--check`` finished judging the launch line: unwind out of the script with this exit code."""
+
+    def __init__(self, code: int):
+        super().__init__(code)
+        self.code = code
+
+
+@dataclass
+class Session:
+    """What one rank's hooks share: the launch, the recipe judged, the writer."""
+
+    script: str
+    argv: list
+    base: object
+    opts: object
+    check: bool = False
+    recipe: object = None
+    enforcement: object = None
+    manifest: dict = field(default_factory=dict)
+    patches: list = field(default_factory=list)
+    writer: object = None
+    rank: int = 0
+    grads_digest: str | None = None
+    lr: float | None = None
+    model: list | None = None
+
+    @property
+    def snapshot_at(self) -> frozenset:
+        return frozenset(int(k) for k in (self.opts.snapshot_at or "").split(",") if k.strip())
+
+    @property
+    def run_dir(self) -> Path:
+        from megatron_bitdet.megatron_lm.options import DEFAULT_RUN_DIR
+
+        return Path(self.opts.run_dir or DEFAULT_RUN_DIR)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+            self.writer = None
+
+
+def _chain(user_provider):
+    """Megatron's ``extra_args_provider`` slot holds one function: the script's, then bitdet's."""
+    from megatron_bitdet.megatron_lm.options import add_entry_args
+
+    def provider(parser):
+        if user_provider is not None:
+            parser = user_provider(parser) or parser
+        return add_entry_args(parser)
+
+    return provider
+
+
+def derive_recipe(session, args):
+    from megatron_bitdet.megatron_lm.args import recipe_from_args
+
+    data = "mock" if getattr(args, "mock_data", False) else " ".join(map(str, getattr(args, "data_path", None) or [])) or None
+    return recipe_from_args(args, session.base, script=os.path.basename(session.script), data=data)
+
+
+def spec_family(args) -> str:
+    """The layer-spec family Megatron will build: bitdet's local spec, or TE's."""
+    spec = getattr(args, "spec", None) or ()
+    if spec and spec[0].startswith("megatron_bitdet"):
+        return "local"
+    return "local" if getattr(args, "transformer_impl", None) == "local" else "te"
+
+
+def judge(session, args):
+    """The parsed args as a recipe, judged: (recipe, settings, outcome, violations, warnings)."""
+    from megatron_bitdet.enforce import plan
+
+    recipe = derive_recipe(session, args)
+    if not args.deterministic_mode and not session.check:
+        return recipe, None
+    return recipe, plan(recipe, late=not session.check)
+
+
+def _print_judgement(recipe, outcome, violations) -> None:
+    out = sys.stdout
+    for o in outcome.opt_outs:
+        print(f"opted out [{o['id']}] {o['message']} (accepted at {o['where']}: {o['why']})", file=out)
+    for s in outcome.swaps:
+        print(f"swapped [{s['id']}] {s['message']} -> deterministic variant '{s['swap']}'", file=out)
+    if violations:
+        print(str(DeterminismViolation(violations)), file=out)
+    else:
+        print(f"OK {recipe.name}: {len(outcome.applied)} rules clear, {len(outcome.opt_outs)} opted out, "
+              f"{len(outcome.swaps)} swapped", file=out)
+
+
+def check_launch(session, extra_args_provider) -> int:
+    """``--check``: parse the launch line with the script's parser, judge it, exit 2 on any violation."""
+    from megatron.training.arguments import parse_args
+
+    args = parse_args(_chain(extra_args_provider), ignore_unknown_args=False)
+    session.opts.run_dir = args.run_dir
+    recipe, judged = judge(session, args)
+    _, outcome, violations, _ = judged
+    _print_judgement(recipe, outcome, violations)
+    if not violations and args.run_dir:
+        from megatron_bitdet.enforce import Enforcement, write_manifest
+
+        session.recipe = recipe
+        import torch
+
+        enforcement = Enforcement(mode=True, env=judged[0], rules=outcome, threads=torch.get_num_threads(),
+                                  warnings=judged[3])
+        write_manifest(session.run_dir, _manifest(session, enforcement, args, check=True))
+    return 2 if violations else 0
+
+
+def _manifest(session, enforcement, args, *, check: bool = False) -> dict:
+    from megatron_bitdet.compat import cpu_backend
+    from megatron_bitdet.compat.cpu_backend import training as training_seams
+    from megatron_bitdet.enforce import build_manifest
+
+    return build_manifest(
+        session.recipe, enforcement, world_size=args.world_size, argv=session.argv,
+        extra={"patches": session.patches, "cpu_backend_seams": cpu_backend.installed() + training_seams.installed(),
+               "megatron_lm": {"script": session.script, "check": check, "spec_family": spec_family(args)}},
+    )
+
+
+def on_validate(session, args) -> None:
+    """Judge and enforce on the parsed args, install the swaps, write the manifest (rank 0)."""
+    from megatron_bitdet.compat import patching
+    from megatron_bitdet.enforce import Enforcement, enable, megatron_overrides
+
+    session.rank = args.rank
+    recipe, judged = judge(session, args)
+    session.recipe = recipe
+    if judged is None:
+        import torch
+
+        enforcement = Enforcement(mode=False, threads=torch.get_num_threads(),
+                                  warnings=["--deterministic-mode not given: nothing enforced"])
+    else:
+        if judged[2]:
+            raise DeterminismViolation(judged[2])
+        enforcement = enable(recipe, rank=args.rank, world_size=args.world_size)
+        swapped = [s["id"] for s in enforcement.rules.swaps]
+        for name, value in megatron_overrides(recipe, swapped).items():
+            if hasattr(args, name):
+                setattr(args, name, value)
+    session.enforcement = enforcement
+    for warning in enforcement.warnings:
+        print(f"[bitdet] warning: {warning}", file=sys.stderr, flush=True)
+    session.patches = patching.apply_for(recipe, family=spec_family(args), swaps=enforcement.rules.swaps)
+    session.manifest = _manifest(session, enforcement, args)
+    if args.rank == 0:
+        from megatron_bitdet.enforce import write_manifest
+
+        write_manifest(session.run_dir, session.manifest)
+
+
+def _wrap_optimizer_step(session, optimizer) -> None:
+    """Grads are digested right before the optimizer consumes them; lr is the one the step used."""
+    if getattr(optimizer, "_bitdet_wrapped", False):
+        return
+    from megatron_bitdet.train.step_fingerprints import buffer_digest
+
+    original = optimizer.step
+    model = session.model
+
+    def step(*a, **kw):
+        session.grads_digest = buffer_digest(model, "grad_data")
+        session.lr = optimizer.param_groups[0]["lr"]
+        return original(*a, **kw)
+
+    optimizer.step = step
+    optimizer._bitdet_wrapped = True
+
+
+def on_step_end(session, step: int, result, model) -> None:
+    import torch
+    from megatron.core.num_microbatches_calculator import get_num_microbatches
+    from megatron.training import get_args
+
+    from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
+    from megatron_bitdet.train.step_fingerprints import buffer_digest, moe_aux_losses, step_metrics
+
+    loss_dict, _skipped, _ckpt, should_exit, _code, grad_norm, num_zeros = result[:7]
+    if should_exit and not loss_dict:
+        return
+    args = get_args()
+    if session.writer is None:
+        session.writer = StepFingerprintWriter(session.run_dir, torch.distributed.get_rank())
+    lm = loss_dict.get("lm loss") if loss_dict else None
+    aux = moe_aux_losses(get_num_microbatches(), clear=False) if args.num_experts else {}
+    coeff = args.moe_aux_loss_coeff
+    coeff = coeff[0] if isinstance(coeff, (list, tuple)) else (coeff or 0.0)
+    metrics = step_metrics(lm_loss=None if lm is None else lm.detach().to(torch.float32), aux=aux, aux_coeff=coeff,
+                           grad_norm=grad_norm, lr=session.lr, num_zeros=num_zeros)
+    session.writer.write(step, metrics, {"params": buffer_digest(model, "param_data"), "grads": session.grads_digest})
+
+
+_ORIGINALS: dict = {}
+
+
+class DataPosition:
+    """Megatron-LM's data position (consumed samples), as the snapshot's ``data`` component."""
+
+    def state_dict(self) -> dict:
+        from megatron.training import get_args
+
+        args = get_args()
+        return {"consumed_train_samples": int(args.consumed_train_samples),
+                "skipped_train_samples": int(getattr(args, "skipped_train_samples", 0))}
+
+
+def snapshot(session, iteration: int, model, optimizer, scheduler) -> None:
+    """The live state after ``iteration`` steps, taken as step ``iteration + 1`` begins — in the
+    uninterrupted run and right after a restore alike (same point, same objects)."""
+    import torch
+
+    from megatron_bitdet.train.snapshot import take_snapshot
+
+    take_snapshot(session.run_dir, iteration, rank=torch.distributed.get_rank(), ddp_modules=model,
+                  optimizer=optimizer, scheduler=scheduler, data=DataPosition())
+
+
+def load_with_adam_fix(original, ddp_model, optimizer, *a, **kw):
+    """Megatron-LM's load_checkpoint with megatron-core 0.16.1's two torch-Adam step bugs fixed (as
+    ``bitdet train`` does): states exist (with a step) before the shards are described, and each param
+    gets its own copy of the saved step afterwards."""
+    from megatron_bitdet.compat.checkpoint import load_optimizer_state, prepare_optimizer_for_load
+
+    if optimizer is None:
+        return original(ddp_model, optimizer, *a, **kw)
+    prepare_optimizer_for_load(optimizer)
+
+    def load_state_dict(state_dict):
+        del optimizer.load_state_dict  # the class's method again, for compat's loader
+        load_optimizer_state(optimizer, state_dict)
+
+    optimizer.load_state_dict = load_state_dict
+    try:
+        return original(ddp_model, optimizer, *a, **kw)
+    finally:
+        optimizer.__dict__.pop("load_state_dict", None)
+
+
+def install(session: Session) -> None:
+    """Wrap Megatron-LM's seams for this session (a later session in the same process, e.g. a second
+    ``--check``, replaces the earlier one's wrappers instead of stacking on them)."""
+    from megatron.training import initialize, training
+
+    if not _ORIGINALS:
+        _ORIGINALS.update(pretrain=training.pretrain, validate_args=initialize.validate_args,
+                          iterators=training.build_train_valid_test_data_iterators, train_step=training.train_step,
+                          load_checkpoint=training.load_checkpoint)
+    original_pretrain = _ORIGINALS["pretrain"]
+
+    @functools.wraps(original_pretrain)
+    def pretrain(*a, extra_args_provider=None, **kw):
+        if session.check:
+            raise CheckDone(check_launch(session, extra_args_provider))
+        return original_pretrain(*a, extra_args_provider=_chain(extra_args_provider), **kw)
+
+    original_validate = _ORIGINALS["validate_args"]
+
+    @functools.wraps(original_validate)
+    def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
+        on_validate(session, args)
+        return original_validate(args, defaults)
+
+    original_iterators = _ORIGINALS["iterators"]
+
+    @functools.wraps(original_iterators)
+    def build_train_valid_test_data_iterators(*a, **kw):
+        import torch
+
+        state = torch.get_rng_state()
+        try:
+            return original_iterators(*a, **kw)
+        finally:
+            torch.set_rng_state(state)
+
+    original_step = _ORIGINALS["train_step"]
+
+    @functools.wraps(original_step)
+    def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, *a, iteration=None, **kw):
+        session.model = model
+        _wrap_optimizer_step(session, optimizer)
+        if iteration in session.snapshot_at:
+            snapshot(session, iteration, model, optimizer, scheduler)
+        result = original_step(forward_step_func, data_iterator, model, optimizer, scheduler, *a,
+                               iteration=iteration, **kw)
+        on_step_end(session, iteration + 1, result, model)
+        return result
+
+    original_load = _ORIGINALS["load_checkpoint"]
+
+    @functools.wraps(original_load)
+    def load_checkpoint(ddp_model, optimizer, *a, **kw):
+        return load_with_adam_fix(original_load, ddp_model, optimizer, *a, **kw)
+
+    import megatron.training as package
+
+    training.pretrain = package.pretrain = pretrain
+    initialize.validate_args = validate_args
+    training.build_train_valid_test_data_iterators = build_train_valid_test_data_iterators
+    training.train_step = train_step
+    training.load_checkpoint = load_checkpoint

@@ -1,0 +1,72 @@
+"""``bitdet verify-resume`` on Megatron-LM's own checkpoints: a chain of fresh launches of the user's
+script (``--save`` / ``--load --ckpt-step`` / ``--exit-interval``), each restored state compared bitwise
+with the uninterrupted run's live state, every later step's fingerprints with its.
+
+A skipped restore is Megatron-LM's own flag, passed to every resumed segment (``--no-load-rng``,
+``--no-load-optim``): what a user would get wrong, caught by name and first divergent step.
+"""
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from megatron_bitdet.workflows.resume import ResumeReport, check_resume_at, run_chain
+from megatron_bitdet.errors import BitdetInputError
+
+SKIPPABLE = {"rng": "--no-load-rng", "optimizer": "--no-load-optim"}
+_OWNED = ("--save", "--load", "--save-interval", "--exit-interval", "--ckpt-step", "--run-dir", "--snapshot-at")
+
+
+def train_iters(megatron_args: list) -> int:
+    """``--train-iters N`` from the launch line (the chain needs the run's length)."""
+    for flag in _OWNED:
+        if flag in megatron_args:
+            raise BitdetInputError(f"{flag} is set by verify-resume for each segment; drop it from the launch line")
+    try:
+        return int(megatron_args[megatron_args.index("--train-iters") + 1])
+    except (ValueError, IndexError):
+        raise BitdetInputError("the launch line needs --train-iters N (verify-resume chains segments to N)") from None
+
+
+def _check_reference(reference: Path, steps: list[int], nproc: int) -> None:
+    from megatron_bitdet.train.snapshot import snapshot_path
+
+    missing = [str(snapshot_path(reference, k, r)) for k in steps for r in range(nproc)
+               if not snapshot_path(reference, k, r).is_file()]
+    if missing:
+        raise BitdetInputError(f"{reference}: no live-state snapshot {missing[0]} (make the reference with "
+                               f"--snapshot-at {','.join(map(str, steps))})")
+
+
+def verify_megatron_resume(script: str, megatron_args: list, resume_at, *, nproc: int, out_dir,
+                           skip_restore=(), reference_dir=None) -> ResumeReport:
+    """``reference_dir``: reuse an uninterrupted run of the same launch line made with ``--snapshot-at``."""
+    from megatron_bitdet.megatron_lm.launch import launch_or_fail
+
+    iterations = train_iters(megatron_args)
+    steps = check_resume_at(resume_at, iterations)
+    unknown = [s for s in skip_restore if s not in SKIPPABLE]
+    if unknown:
+        raise BitdetInputError(f"unknown restore to skip {unknown}; known: {', '.join(SKIPPABLE)}")
+    faults = [SKIPPABLE[s] for s in skip_restore]
+    out_dir = Path(out_dir)
+    if reference_dir is None:
+        reference = out_dir / "reference"
+        launch_or_fail(script, [*megatron_args, "--snapshot-at", ",".join(map(str, steps))], nproc=nproc,
+                       run_dir=reference, what="reference run")
+    else:
+        reference = Path(reference_dir)
+        _check_reference(reference, steps, nproc)
+
+    def segment(run_dir: Path, start: int, stop: int, load_from: Path | None) -> None:
+        shutil.rmtree(run_dir, ignore_errors=True)  # fingerprints append: a stale segment would mix in
+        argv = list(megatron_args)
+        if stop != iterations:
+            argv += ["--save", str(run_dir / "checkpoints"), "--save-interval", str(stop), "--exit-interval", str(stop)]
+        if load_from is not None:
+            argv += ["--load", str(load_from / "checkpoints"), "--ckpt-step", str(start),
+                     "--snapshot-at", str(start), *faults]
+        launch_or_fail(script, argv, nproc=nproc, run_dir=run_dir, what=f"segment {start}->{stop}")
+
+    return run_chain(segment, name=Path(script).name, steps=steps, iterations=iterations, nproc=nproc,
+                     out_dir=out_dir, reference_dir=reference, faults=faults)

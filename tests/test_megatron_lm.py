@@ -1,0 +1,225 @@
+"""Megatron-LM's own pretrain_mamba.py / pretrain_gpt.py, unmodified, under the bitdet entry point on 2
+real gloo ranks: byte-identical twins, another seed diverging at step 1, the launch-line lint.
+
+Needs a Megatron-LM checkout (``MEGATRON_LM_PATH``; ``.ci/run`` points it at ../shared/megatron-lm).
+Every launch is made once per session and read by every test that needs it.
+"""
+from __future__ import annotations
+
+import json
+import os
+import shlex
+from pathlib import Path
+
+import pytest
+
+from megatron_bitdet.cli import main as bitdet
+
+MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
+pytestmark = [
+    pytest.mark.skipif(
+        not MEGATRON_LM or not os.path.isfile(os.path.join(MEGATRON_LM, "pretrain_mamba.py")),
+        reason="MEGATRON_LM_PATH is unset or holds no pretrain_mamba.py (point it at a Megatron-LM checkout)"),
+    pytest.mark.timeout(1800),  # a session fixture makes three 2-rank launches in one test's setup
+]
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def readme_block() -> list[str]:
+    """The README's "Megatron-LM users" commands: the tests run exactly these flags."""
+    text = (REPO / "README.md").read_text()
+    section = text[text.index("## Megatron-LM users"):]
+    block = section[section.index("```bash\n") + 8:]
+    return block[:block.index("```")].splitlines()
+
+
+README = readme_block()
+MAMBA = shlex.split(next(line for line in README if line.startswith("ARGS="))[len("ARGS="):])[0].split()
+FUSIONS = shlex.split(next(line for line in README if "--check" in line).split("$ARGS")[1])
+COMMON = MAMBA[MAMBA.index("--hidden-size"):]
+GPT = ["--num-layers", "2", "--swiglu", "--no-bias-swiglu-fusion", "--position-embedding-type", "rope",
+       "--no-rope-fusion", *COMMON]
+# --tp-comm-overlap and --moe-grouped-gemm are TE-only: judged here, where TE is absent, never imported
+OPTED = {"cross_entropy_loss_fusion", "moe_permute_fusion", "moe_router_fusion", "tp_comm_overlap", "te_grouped_gemm"}
+
+
+def script(name: str) -> str:
+    return os.path.join(MEGATRON_LM, name)
+
+
+def launch(run_dir: Path, name: str, args: list, *extra: str) -> int:
+    return bitdet(["megatron-lm", "--nproc", "2", "--run-dir", str(run_dir), script(name), *args, *extra])
+
+
+def lines(run_dir: Path, rank: int) -> list[dict]:
+    path = run_dir / "fingerprints" / f"rank_{rank:05d}.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="session")
+def mamba_runs(tmp_path_factory):
+    """pretrain_mamba.py (M*-E, EP2 alltoall, distributed optimizer, dropout 0.1): twins and seed 4321."""
+    root = tmp_path_factory.mktemp("megatron_lm_mamba")
+    runs = {k: root / k for k in ("a", "b", "seed")}
+    # run a also snapshots its live state as step 3 begins: the verify-resume reference (and a
+    # snapshot must not perturb a single bit: a and b are compared byte for byte)
+    rcs = {k: launch(d, "pretrain_mamba.py", MAMBA, *{"a": ["--snapshot-at", "2"], "b": [], "seed": ["--seed", "4321"]}[k])
+           for k, d in runs.items()}
+    return runs, rcs
+
+
+@pytest.fixture(scope="session")
+def gpt_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("megatron_lm_gpt")
+    runs = {k: root / k for k in ("a", "b")}
+    return runs, {k: launch(d, "pretrain_gpt.py", GPT) for k, d in runs.items()}
+
+
+def test_mamba_twins_byte_identical_and_compare_match(mamba_runs, capsys):
+    runs, rcs = mamba_runs
+    assert rcs == {"a": 0, "b": 0, "seed": 0}
+    for rank in (0, 1):
+        a = (runs["a"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+        assert a == (runs["b"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+        assert [s["step"] for s in lines(runs["a"], rank)] == [1, 2, 3]
+    assert bitdet(["compare", str(runs["a"]), str(runs["b"])]) == 0
+    assert "MATCH" in capsys.readouterr().out
+
+
+def test_mamba_other_seed_diverges_at_step_1(mamba_runs, capsys):
+    runs, _ = mamba_runs
+    capsys.readouterr()
+    # the seed is part of the validation scope: comparing across it needs --force
+    assert bitdet(["compare", str(runs["a"]), str(runs["seed"])]) == 2
+    capsys.readouterr()
+    assert bitdet(["compare", "--force", "--json", str(runs["a"]), str(runs["seed"])]) == 1
+    report = json.loads(capsys.readouterr().out)
+    assert report["first_divergence"]["step"] == 1 and report["first_divergence"]["ranks"] == [0, 1]
+
+
+def test_mamba_fingerprints_and_manifest_describe_what_megatron_built(mamba_runs):
+    runs, _ = mamba_runs
+    for rank in (0, 1):
+        step = lines(runs["a"], rank)[0]
+        assert {"loss", "lm_loss", "aux_loss", "grad_norm", "lr"} <= set(step["metrics"])
+        # the only MoE layer is the 4th: its load-balancing loss, per layer, on every rank
+        assert "aux_loss/load_balancing_loss/layer_04" in step["metrics"]
+        assert set(step["digests"]) == {"params", "grads"}
+    manifest = json.loads((runs["a"] / "manifest.json").read_text())
+    model, parallel = manifest["recipe"]["model"], manifest["recipe"]["parallel"]
+    assert model["hybrid_pattern"] == "M*-E" and model["hidden_dropout"] == 0.1 and model["spec"] == "local"
+    assert parallel["expert"] == 2 and parallel["distributed_optimizer"] is True
+    assert manifest["scope"]["deterministic_mode"] is True and manifest["scope"]["world_size"] == 2
+    patches = {p["id"] for p in manifest["patches"]}
+    assert {"ssd_scan", "gated_rmsnorm", "causal_conv1d", "moe_aux_loss", "local_final_norm"} <= patches
+    assert {"allow_no_cuda", "model_parallel_groups", "batch_invariant_kernels"} <= set(manifest["cpu_backend_seams"])
+    assert manifest["env"]["NCCL_ALGO"]["value"] == "Ring"
+    assert (runs["a"] / "logs" / "rank_00001.log").is_file()
+
+
+def test_gpt_twins_byte_identical(gpt_runs, capsys):
+    runs, rcs = gpt_runs
+    assert rcs == {"a": 0, "b": 0}
+    for rank in (0, 1):
+        a = (runs["a"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+        assert a and a == (runs["b"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+    assert bitdet(["compare", str(runs["a"]), str(runs["b"])]) == 0
+    manifest = json.loads((runs["a"] / "manifest.json").read_text())
+    assert manifest["recipe"]["model"]["hybrid_pattern"] == "*E*E"  # a GPT layer: attention, then MoE
+
+
+def test_check_lists_every_violation_at_once(capsys):
+    rc = bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, *FUSIONS])
+    out = capsys.readouterr().out
+    assert rc == 2
+    for rule in OPTED:
+        assert f"[{rule}]" in out
+    # refused together; the router fusion and TE grouped GEMM have deterministic variants, listed as swaps
+    assert "3 feature(s) have no deterministic path" in out
+    assert "swapped [moe_router_fusion]" in out and "swapped [te_grouped_gemm]" in out
+
+
+def test_check_with_opt_outs_passes_and_manifest_records_them(tmp_path, capsys):
+    recipe = tmp_path / "opt_out.yaml"
+    recipe.write_text(
+        "name: opt-out\nmodel: {hybrid_pattern: 'M*-E', hidden_size: 64, ffn_hidden_size: 128,\n"
+        "  num_attention_heads: 4, seq_length: 64, vocab_size: 256, moe: {num_experts: 4, ffn_hidden_size: 64}}\n"
+        "determinism:\n  opt_out: [cross_entropy_loss_fusion, moe_permute_fusion, moe_router_fusion,\n"
+        "            tp_comm_overlap, te_grouped_gemm]\n")
+    rc = bitdet(["megatron-lm", "--check", "--run-dir", str(tmp_path / "run"), script("pretrain_mamba.py"),
+                 *MAMBA, *FUSIONS, "--recipe", str(recipe)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert {o["id"] for o in manifest["rules"]["opt_outs"]} == OPTED
+    assert all(f"opted out [{rule}]" in out for rule in OPTED)
+    assert manifest["megatron_lm"]["check"] is True
+
+
+def test_check_clean_line_exits_0(capsys):
+    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA]) == 0
+    assert "OK " in capsys.readouterr().out
+
+
+def test_recipe_disagreeing_with_a_flag_is_refused_naming_both(tmp_path, capsys):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text("name: r\nmodel: {hybrid_pattern: 'M*-E', hidden_size: 128, ffn_hidden_size: 128,\n"
+                      "  num_attention_heads: 4, seq_length: 64, vocab_size: 256, moe: {num_experts: 4,\n"
+                      "  ffn_hidden_size: 64}}\n")
+    rc = bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, "--recipe", str(recipe)])
+    err = capsys.readouterr().err
+    assert rc == 2
+    assert f"{recipe}:2: model.hidden_size" in err and "--hidden-size gives 64" in err
+
+
+def last_json(out: str) -> dict:
+    """The report printed last (the ranks' own output streams to the same console before it)."""
+    return json.loads(out[out.rindex("\n{\n") + 1:] if not out.startswith("{\n") else out)
+
+
+def verify_resume(mamba_runs, out: Path, *extra: str) -> int:
+    runs, rcs = mamba_runs
+    assert rcs["a"] == 0
+    return bitdet(["verify-resume", "--megatron-lm", script("pretrain_mamba.py"), "--resume-at", "2", "--nproc", "2",
+                   "--out", str(out), "--reference", str(runs["a"]), "--json", *extra,
+                   "--", *MAMBA])
+
+
+def test_verify_resume_holds_on_megatron_checkpoints_with_dropout_and_distopt(mamba_runs, tmp_path, capsys):
+    capsys.readouterr()
+    rc = verify_resume(mamba_runs, tmp_path)
+    report = last_json(capsys.readouterr().out)
+    assert rc == 0 and report["holds"], report
+    components = {c["component"] for c in report["checks"]}
+    assert {"parameters", "optimizer", "scheduler", "data", "rng.torch_cpu", "rng.tracker"} <= components
+    assert all(c["equal"] for c in report["checks"]) and {c["rank"] for c in report["checks"]} == {0, 1}
+    assert [p["steps_compared"] for p in report["points"]] == [[1, 2], [3]]
+
+
+def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(mamba_runs, tmp_path, capsys):
+    capsys.readouterr()
+    rc = verify_resume(mamba_runs, tmp_path, "--skip-restore", "rng")
+    report = last_json(capsys.readouterr().out)
+    assert rc == 1 and not report["holds"]
+    (resumed,) = [p for p in report["points"] if p["step"] == 2]
+    assert "rng.torch_cpu" in resumed["failing_components"]
+    assert {"parameters", "optimizer"}.isdisjoint(resumed["failing_components"])
+    assert report["first_output_divergence"] == {"2": 3}  # dropout draws from the unrestored generator
+
+
+def test_readme_commands_are_the_ones_tested():
+    """Each README command is one this file runs (same subcommand, options and $ARGS; paths aside)."""
+    commands = [line for line in README if line.startswith("bitdet ")]
+    assert [c.split("#")[0].split()[:2] for c in commands] == [
+        ["bitdet", "megatron-lm"], ["bitdet", "megatron-lm"], ["bitdet", "compare"], ["bitdet", "verify-resume"],
+        ["bitdet", "megatron-lm"]]
+    assert commands[0].endswith("$ARGS --snapshot-at 2") and commands[1].endswith("pretrain_mamba.py $ARGS")
+    assert "--resume-at 2 --reference runs/mlm_a" in commands[3] and commands[3].endswith("-- $ARGS")
+    assert "--seed" in MAMBA and "--deterministic-mode" in MAMBA and "M*-E" in MAMBA
+
+
+def test_trace_is_refused_before_any_rank_starts(tmp_path, capsys):
+    rc = launch(tmp_path / "t", "pretrain_mamba.py", MAMBA, "--trace", "op")
+    assert rc == 2 and "--trace is not wired into Megatron-LM's loop" in capsys.readouterr().err
+    assert not (tmp_path / "t" / "logs").exists()
