@@ -17,7 +17,7 @@ from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 from megatron_bitdet.train.console import Console
 from megatron_bitdet.train.module_state import buffers_digest, capture_module_rng, generators_digest
 from megatron_bitdet.train.precision import step_digests
-from megatron_bitdet.train.step_fingerprints import buffer_digest, ddp_buffers, step_metrics
+from megatron_bitdet.train.step_fingerprints import buffer_digest, ddp_buffers, moe_aux_losses, step_metrics
 
 
 _CURRENT = {"step": 0}
