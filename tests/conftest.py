@@ -10,8 +10,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "nemotron_h_tiny.yaml"
-ITERATIONS = 3  # > warmup_iters (2)
-RESUME_AT = 2  # the reference saves every step; the resumed run restores 2 and runs 3
+ITERATIONS = 4  # > warmup_iters (2)
+RESUME_AT = 2  # the reference saves every step; the resumed run restores 2 and runs 3-4 (both at lr > 0)
 
 
 @dataclass(frozen=True)
@@ -54,3 +54,11 @@ def resumed_run(tmp_path_factory, reference_run) -> Run:
     assert reference_run.rc == 0
     load = reference_run.dir / "checkpoints" / f"iter_{RESUME_AT:07d}"
     return train(tmp_path_factory.mktemp("resumed"), load=str(load), snapshot_at=[RESUME_AT])
+
+
+@pytest.fixture(scope="session")
+def saved_checkpoint(reference_run) -> Path:
+    """One real checkpoint directory (the reference's iteration RESUME_AT) for tests that read it or
+    corrupt it; copy it before changing anything."""
+    assert reference_run.rc == 0
+    return reference_run.dir / "checkpoints" / f"iter_{RESUME_AT:07d}"

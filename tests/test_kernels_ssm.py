@@ -62,6 +62,7 @@ CASES = [  # (seqlen, chunk_size, kwargs)
     (37, 16, dict(dt_softplus=True, D=True, z=True, dt_bias=True)),
     (5, 16, dict(dt_softplus=True, D=True, dt_bias=True, dt_limit=(0.05, 0.5), initial_states=True)),  # l < chunk
     (50, 16, dict(dt_softplus=True, D=True, z=True, initial_states=True, d_hdim=True)),
+    (37, 8, dict(dt_bias=True, D=True)),  # no softplus: negative dt is clamped at the default limit (0, inf)
 ]
 
 

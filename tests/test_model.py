@@ -123,3 +123,30 @@ def test_applied_patches_are_the_selected_ones(hybrid):
 ])
 def test_patch_selection_follows_the_recipe(overrides, expected):
     assert select_patches(_recipe(*overrides), family="local") == expected
+
+
+def test_provider_that_turns_determinism_off_is_refused(hybrid):
+    """The deterministic flag is checked again after the model provider ran (user code, after enforcement)."""
+    from megatron_bitdet.errors import BitdetInputError
+    from megatron_bitdet.model.builder import default_model_provider, transformer_config
+    from megatron_bitdet.train.setup import build_model
+
+    recipe = hybrid[0]
+
+    def careless_provider(recipe, config, *, pre_process=True, post_process=True):
+        torch.use_deterministic_algorithms(False)  # e.g. a script's "speed-up" line
+        return default_model_provider(recipe, config, pre_process=pre_process, post_process=post_process)
+
+    try:
+        with pytest.raises(BitdetInputError, match=r"careless_provider: after it ran, "
+                                                   r"torch.use_deterministic_algorithms is off"):
+            build_model(recipe, transformer_config(recipe), careless_provider)
+    finally:
+        torch.use_deterministic_algorithms(True)
+
+
+def test_te_family_swaps_the_gated_rmsnorm_in_deterministic_mode():
+    """mamba_ssm's Triton gated norm sums dw over a device-dependent number of row blocks: the TE family
+    gets bitdet's norm in deterministic mode (the local family always has it)."""
+    assert "gated_rmsnorm" in select_patches(_recipe(), family="te")
+    assert "gated_rmsnorm" not in select_patches(_recipe("determinism.mode=false"), family="te")

@@ -1,30 +1,19 @@
 """bitdet prove end to end on the tiny hybrid (real 2-rank gloo launches), holding and broken.
 
-The broken case uses a real CPU nondeterminism (CPU_NOTES.md): a model builder that switches torch's
-deterministic algorithms off behind the recipe's back. megatron's deterministic-mode vocab embedding
-backward is then the parallel ``index_put_(accumulate=True)`` kernel, whose float adds for repeated
-token ids (byte-level vocabulary) land in thread order on 2 threads.
+The broken case plants a real order nondeterminism the enforcement cannot see (a provider that turns
+torch's deterministic algorithms off is refused at setup): examples.planted_nondeterminism's split-K
+GEMM whose partial products are summed in an order drawn from os.urandom, like GPU atomics.
 """
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-import torch
-
 from megatron_bitdet.cli import main
-from megatron_bitdet.model.builder import default_model_provider
 
 RECIPE = "recipes/nemotron_h_tiny.yaml"
 SHORT = ["training.iterations=6"]
-# index_put_ only splits across threads above its grain size: 1024 tokens x hidden 64 per micro-batch.
-WIDE = ["model.seq_length=256", "training.micro_batch_size=4", "training.global_batch_size=8"]
-
-
-def nondeterministic_provider(recipe, config, *, pre_process=True, post_process=True):
-    """The user mistake under test: a custom builder that turns torch's deterministic algorithms off."""
-    torch.use_deterministic_algorithms(False)
-    return default_model_provider(recipe, config, pre_process=pre_process, post_process=post_process)
+REPO = Path(__file__).resolve().parents[1]
 
 
 def _verdict_rows(html: str) -> list[tuple[str, str]]:
@@ -51,10 +40,11 @@ def test_prove_holds_end_to_end(tmp_path, capsys):
 
 
 def test_prove_broken_exits_1(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("PYTHONPATH", str(Path(__file__).parent))  # the ranks import this module's provider
+    monkeypatch.setenv("PYTHONPATH", str(REPO))  # the ranks import the example provider
+    monkeypatch.chdir(REPO)
     out = tmp_path / "broken"
     rc = main(["prove", "--recipe", RECIPE, "--out", str(out), "--resume-at", "3", "--no-tax",
-               "--model-provider", "test_prove:nondeterministic_provider", *SHORT, *WIDE])
+               "--model-provider", "examples.planted_nondeterminism:provider", *SHORT])
     printed = capsys.readouterr().out
     assert rc == 1, printed[-3000:]
     rows = _verdict_rows((out / "report.html").read_text())

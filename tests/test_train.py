@@ -35,7 +35,7 @@ def assert_trained(run: Run, scope: dict, loss_ranks) -> None:
         assert [line["step"] for line in lines] == STEPS
         assert {line["rank"] for line in lines} == {rank}
         for line in lines:
-            assert set(line["digests"]) == {"params", "grads"}
+            assert set(line["digests"]) == {"params", "grads", "buffers"}
             if rank in loss_ranks:
                 assert math.isfinite(decode_float(line["metrics"]["loss"]))
             else:  # off the last pipeline stage there is no loss to report
@@ -121,7 +121,9 @@ def test_resume_continues_bit_for_bit(reference_run, resumed_run):
     assert resumed_run.rc == 0
     for rank in (0, 1):
         assert resumed_run.fingerprint_lines(rank) == reference_run.fingerprint_lines(rank)[RESUME_AT:]
-        assert resumed_run.steps(rank)[0]["step"] == RESUME_AT + 1
+        steps = resumed_run.steps(rank)
+        assert [s["step"] for s in steps] == list(range(RESUME_AT + 1, ITERATIONS + 1)) and len(steps) >= 2
+        assert all(decode_float(s["metrics"]["lr"]) > 0 for s in steps)  # trained steps, not lr-0 warmup
 
 
 @pytest.mark.timeout(120)
@@ -132,7 +134,8 @@ def test_thread_count_is_in_scope_and_compare_refuses(reference_run, one_thread_
     assert bitdet(["compare", str(reference_run.dir), str(one_thread_run.dir)]) == 2
     err = capsys.readouterr().err
     assert "torch_threads" in err
-    assert bitdet(["compare", "--force", str(reference_run.dir), str(one_thread_run.dir)]) in (0, 1)
+    same = all(reference_run.fingerprint_bytes(r) == one_thread_run.fingerprint_bytes(r) for r in (0, 1))
+    assert bitdet(["compare", "--force", str(reference_run.dir), str(one_thread_run.dir)]) == (0 if same else 1)
 
 
 BAD_PROVIDERS = {
@@ -179,3 +182,16 @@ def test_custom_provider_trains_and_is_recorded(reference_run, provider_run):
     assert provider_run.manifest()["model_provider"] == PROVIDER
     for rank in (0, 1):  # a different model: its parameters differ from the default's at step 1
         assert provider_run.steps(rank)[0]["digests"]["params"] != reference_run.steps(rank)[0]["digests"]["params"]
+
+
+@pytest.mark.timeout(120)
+def test_provider_and_torch_flags_are_in_the_scope(reference_run, provider_run, capsys):
+    """A custom-provider run is another validation scope, not a divergence; torch's live determinism
+    flags (after the provider ran) are recorded."""
+    scope = reference_run.manifest()["scope"]
+    assert scope["model_provider"] == "default" and scope["torch/deterministic_algorithms"] is True
+    assert scope["torch/cudnn_benchmark"] is False and scope["torch/fill_uninitialized_memory"] is False
+    assert provider_run.manifest()["scope"]["model_provider"] == PROVIDER
+    capsys.readouterr()
+    assert bitdet(["compare", str(reference_run.dir), str(provider_run.dir)]) == 2
+    assert "model_provider" in capsys.readouterr().err

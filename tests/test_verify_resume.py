@@ -24,7 +24,8 @@ from megatron_bitdet.recipe import load_recipe
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "nemotron_h_tiny.yaml")
 OVERRIDES = ["training.iterations=6", "model.attention_dropout=0.1", "model.hidden_dropout=0.1"]
-STATE = {"parameters", "optimizer", "scheduler", "rng.python", "rng.numpy", "rng.torch_cpu", "rng.tracker", "data"}
+STATE = {"parameters", "buffers", "optimizer", "scheduler", "rng.python", "rng.numpy", "rng.torch_cpu",
+         "rng.tracker", "data"}
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -144,3 +145,19 @@ def test_bitwise_equal_is_bits_not_values():
     assert not bitwise_equal(0.0, -0.0)[0] and bitwise_equal(math.nan, math.nan)[0]
     assert not bitwise_equal(1, True)[0] and not bitwise_equal(1, 1.0)[0]
     assert bitwise_equal({"a": 1}, {"a": 1})[0] and bitwise_equal(None, None)[0]
+
+
+@pytest.mark.timeout(600)
+def test_model_with_its_own_generator_is_restored_and_holds(tmp_path, monkeypatch):
+    """A module drawing from its own torch.Generator (tests/generator_provider.py): the checkpoint
+    carries the generator, the restore sets it, the snapshot compares it, and the resume holds."""
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "tests"), os.environ.get("PYTHONPATH", "")]))
+    small = load_recipe(RECIPE, ["training.iterations=3", "parallel.expert=1"])
+    report = verify_resume(small, [2], nproc=1, out_dir=tmp_path, model_provider="generator_provider:provider")
+    assert report.holds, report.summary()
+    generator = [c for c in report.checks if c.component == "rng.module:0.noise:gen"]
+    assert len(generator) == 1 and generator[0].equal
+    buffers = {c.key for c in report.checks if c.component == "buffers"}
+    assert any(k.endswith("router.expert_bias") for k in buffers), buffers  # router_expert_bias: true
+    lines = [json.loads(x) for x in (Path(report.points[1].run_dir) / "fingerprints" / "rank_00000.jsonl").open()]
+    assert [line["step"] for line in lines] == [3] and {"buffers", "generators"} <= set(lines[0]["digests"])

@@ -42,7 +42,7 @@ def register(subparsers, summary: str) -> None:
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--fault-skip-restore", action="append", default=[], metavar="COMPONENT",
                    help="TEST ONLY, for demonstrating detection: every restore skips COMPONENT "
-                        "(rng.python, rng.numpy, rng.torch_cpu, rng.tracker, data, optimizer.exp_avg, scheduler; "
+                        "(rng.python, rng.numpy, rng.torch_cpu, rng.tracker, rng.module, data, optimizer.exp_avg, scheduler; "
                         "compute_copy.rounding rebuilds the bf16 copy rounding toward zero; fp8.amax_history "
                         "leaves the FP8 scaling state fresh)")
     p.set_defaults(func=run)

@@ -17,13 +17,19 @@ def _inner_optimizers(optimizer) -> list:
     return getattr(optimizer, "chained_optimizers", [optimizer])
 
 
+def keeps_per_param_step(inner) -> bool:
+    """torch's Adam/AdamW count steps per parameter (``state[p]["step"]``); TE's and apex's FusedAdam
+    (megatron's optimizer when Transformer Engine is present) count them in ``param_groups[i]["step"]``."""
+    return type(inner).__module__.startswith("torch.optim")
+
+
 def prepare_optimizer_for_load(optimizer) -> None:
     """A fresh optimizer has no state yet; megatron needs the tensors to exist to describe the shards.
     Its torch-Adam init_state_fn omits "step", which the distributed optimizer's state_dict reads."""
     for opt in _inner_optimizers(optimizer):
         if opt.init_state_fn is not None:
             opt.init_state_fn(opt.optimizer, opt.config)
-            for param_state in opt.optimizer.state.values():
+            for param_state in opt.optimizer.state.values() if keeps_per_param_step(opt.optimizer) else ():
                 param_state.setdefault("step", torch.tensor(0.0))
 
 
@@ -32,7 +38,7 @@ def load_optimizer_state(optimizer, state: dict) -> None:
     the no_grad is missing upstream), then the Adam step fix below."""
     with torch.no_grad():
         optimizer.load_state_dict(state)
-    _restore_adam_steps(optimizer, state)
+    restore_adam_steps(optimizer, state)
 
 
 def _saved_steps(tree) -> set:
@@ -46,16 +52,19 @@ def _saved_steps(tree) -> set:
     return set()
 
 
-def _restore_adam_steps(optimizer, loaded: dict) -> None:
+def restore_adam_steps(optimizer, loaded: dict) -> None:
     """megatron 0.16.1 + torch Adam restores "step" wrongly on two counts: the dp_reshardable loader
     copies the (unsaved) per-param step back over the restored one, and the restored ones share a
     single tensor that torch increments once per param. Each param gets its own copy of the saved step,
     and the serialized copy megatron leaves in each param group is dropped, so the live state equals
-    an uninterrupted run's."""
+    an uninterrupted run's. A FusedAdam keeps its step in the group: that restored copy is its step,
+    and stays (dropping it would restart Adam's bias correction on a GPU resume)."""
     steps = _saved_steps(loaded)
     if len(steps) > 1:
         raise BitdetInputError(f"checkpoint optimizer state holds inconsistent steps {sorted(steps)}")
     for opt in _inner_optimizers(optimizer):
+        if not keeps_per_param_step(opt.optimizer):
+            continue
         for param_state in opt.optimizer.state.values():
             if "step" in param_state and steps:
                 param_state["step"] = torch.tensor(next(iter(steps)), dtype=torch.float32)

@@ -58,8 +58,21 @@ def placement_in_scope(recipe) -> bool:
     return recipe.determinism.reductions != "topology_invariant"
 
 
-def build_scope(recipe, *, world_size: int, threads: int, placement: dict | None = None) -> dict:
-    """The flat validation scope for this process, recipe and world size."""
+def torch_flags() -> dict:
+    """torch's determinism switches as they are now (a model provider or a script may have changed them)."""
+    import torch
+
+    return {"deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+            "deterministic_warn_only": torch.is_deterministic_algorithms_warn_only_enabled(),
+            "cudnn_deterministic": bool(torch.backends.cudnn.deterministic),
+            "cudnn_benchmark": bool(torch.backends.cudnn.benchmark),
+            "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory)}
+
+
+def build_scope(recipe, *, world_size: int, threads: int, placement: dict | None = None,
+                model_provider: str | None = None) -> dict:
+    """The flat validation scope for this process, recipe and world size; the model provider (a
+    different model is a different run) and torch's live determinism flags are part of it."""
     p = recipe.parallel
     model_parallel = p.tensor * p.pipeline * p.context
     scope = {"python": platform.python_version(), "cpu_model": _cpu_model(), "torch_threads": threads}
@@ -71,15 +84,17 @@ def build_scope(recipe, *, world_size: int, threads: int, placement: dict | None
         "dp": world_size // model_parallel if world_size % model_parallel == 0 else None,
         "ep": p.expert, "etp": p.expert_tensor, "sp": p.sequence_parallel,
         "deterministic_mode": recipe.determinism.mode, "recipe_digest": recipe.digest(),
-        "seed": recipe.training.seed,
+        "seed": recipe.training.seed, "model_provider": model_provider or "default",
     })
+    scope.update({f"torch/{k}": v for k, v in torch_flags().items()})
     if placement is not None and placement_in_scope(recipe):
         scope["placement"] = json.dumps({"hosts": [r["host"] for r in placement["ranks"]],
                                          "emulated_ring": placement["emulated_ring"]})
     return scope
 
 
-def build_manifest(recipe, enforcement, *, world_size: int, argv=None, extra=None, placement=None) -> dict:
+def build_manifest(recipe, enforcement, *, world_size: int, argv=None, extra=None, placement=None,
+                   model_provider: str | None = None) -> dict:
     """The manifest dict (DESIGN.md keys); ``extra`` (e.g. {'patches': [...]}) is merged on top."""
     from megatron_bitdet import __version__
 
@@ -88,7 +103,8 @@ def build_manifest(recipe, enforcement, *, world_size: int, argv=None, extra=Non
         "created": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "recipe": recipe.to_dict(),
         "recipe_digest": recipe.digest(),
-        "scope": build_scope(recipe, world_size=world_size, threads=enforcement.threads, placement=placement),
+        "scope": build_scope(recipe, world_size=world_size, threads=enforcement.threads, placement=placement,
+                             model_provider=model_provider),
         "placement": placement,
         "env": {name: {"value": s.value, "source": s.source} for name, s in enforcement.env.items()},
         "rules": enforcement.rules.as_manifest(),

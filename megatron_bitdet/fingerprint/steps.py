@@ -82,7 +82,7 @@ def read_rank_file(path: Path, rank: int, *, allow_truncated: bool = False, warn
         where = f"{path}:{no}"
         is_last_partial = no == len(lines) and not ends_whole
         try:
-            obj = json.loads(raw)
+            obj = json.loads(raw.decode("utf-8"))  # strict: json.loads(bytes) lets lone surrogates through
         except (json.JSONDecodeError, UnicodeDecodeError):
             if is_last_partial:
                 if allow_truncated:

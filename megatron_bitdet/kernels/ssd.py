@@ -36,14 +36,13 @@ def _segsum(a: torch.Tensor) -> torch.Tensor:
 
 
 def _discretize_dt(dt, dt_bias, dt_softplus, dt_limit):
-    """dt + bias, softplus (threshold 20, as mamba_ssm), clamp only when a limit is set."""
+    """dt + bias, softplus (threshold 20, as mamba_ssm), then always the clamp to dt_limit: mamba_ssm's
+    chunk-cumsum kernel clamps at the default (0, inf) too, so a negative dt without softplus is 0."""
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
     if dt_softplus:
         dt = F.softplus(dt)
-    if tuple(dt_limit) != (0.0, math.inf):
-        dt = dt.clamp(min=dt_limit[0], max=dt_limit[1])
-    return dt
+    return dt.clamp(min=dt_limit[0], max=dt_limit[1])
 
 
 def _pad_seq(t: torch.Tensor, pad: int) -> torch.Tensor:

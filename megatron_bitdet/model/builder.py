@@ -115,15 +115,16 @@ def padded_vocab_size(recipe) -> int:
     return -(-recipe.model.vocab_size // multiple) * multiple
 
 
-def stack_spec(recipe):
-    """The layer spec for the recipe's family, with the recipe's Mamba kernel parameters."""
+def stack_spec(recipe, *, grouped_gemm: bool = False):
+    """The layer spec for the recipe's family, with the recipe's Mamba kernel parameters.
+    ``grouped_gemm``: TE grouped-GEMM experts (the config's moe_grouped_gemm: te_grouped, not swapped)."""
     from megatron_bitdet.model import specs
 
     family = resolve_spec_family(recipe)
     kwargs = dict(num_experts=recipe.model.moe.num_experts,
                   mamba_params={"chunk_size": recipe.model.mamba.chunk_size, "d_conv": recipe.model.mamba.conv_kernel})
     if family == "te":
-        return specs.te_stack_spec(**kwargs)
+        return specs.te_stack_spec(**kwargs, grouped_gemm=grouped_gemm)
     return specs.local_stack_spec(**kwargs, expert_impl=recipe.model.moe.expert_impl)
 
 
@@ -133,7 +134,7 @@ def default_model_provider(recipe, config, *, pre_process: bool = True, post_pro
 
     return MambaModel(
         config=config,
-        mamba_stack_spec=stack_spec(recipe),
+        mamba_stack_spec=stack_spec(recipe, grouped_gemm=bool(config.moe_grouped_gemm)),
         vocab_size=padded_vocab_size(recipe),
         max_sequence_length=recipe.model.seq_length,
         hybrid_override_pattern=recipe.model.hybrid_pattern,

@@ -114,12 +114,19 @@ def local_stack_spec(*, num_experts: int = 0, mamba_params=None, expert_impl: st
     )
 
 
-def te_stack_spec(*, num_experts: int = 0, mamba_params=None) -> ModuleSpec:
-    """megatron-core's TE hybrid spec (fused norm+linear, TE attention, TE grouped GEMM experts)."""
+def te_stack_spec(*, num_experts: int = 0, mamba_params=None, grouped_gemm: bool = False) -> ModuleSpec:
+    """megatron-core's TE hybrid spec (fused norm+linear, TE attention). Its MoE layer is rebuilt for
+    the recipe: megatron's copy is built with TEGroupedMLP (TE's atomic dprob) whatever the recipe
+    says; ``grouped_gemm`` False (expert_impl sequential/grouped, or te_grouped swapped) takes the TE
+    provider's SequentialMLP, which the grouped_gemm_dprob patch turns into GroupedProbMLP."""
     import copy
 
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
     from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 
     spec = copy.deepcopy(mamba_stack_spec)
     spec.submodules.mamba_layer.submodules.mixer.params = dict(mamba_params or {})
+    if num_experts:
+        spec.submodules.moe_layer.submodules.mlp = get_moe_module_spec_for_backend(
+            TESpecProvider(), num_experts=num_experts, moe_grouped_gemm=grouped_gemm)
     return spec

@@ -102,7 +102,7 @@ class TraceFile:
 
 def parse_record(path: Path, line_no: int, raw: bytes) -> dict:
     try:
-        rec = json.loads(raw)
+        rec = json.loads(raw.decode("utf-8"))  # strict: json.loads(bytes) would let lone surrogates through
         event_id(rec)
         return rec
     except (ValueError, KeyError, TypeError) as exc:
@@ -117,8 +117,8 @@ def open_trace(path: Path) -> TraceFile:
     with open(path, "rb") as f:
         first = f.readline()
     try:
-        header = json.loads(first)
-    except ValueError:
+        header = json.loads(first.decode("utf-8"))
+    except ValueError:  # UnicodeDecodeError included
         raise BitdetInputError(f"{path}:1: not a bitdet trace header") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise BitdetInputError(f"{path}:1: foreign file (no '{FORMAT}' header)")

@@ -15,6 +15,7 @@ import torch
 
 from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 from megatron_bitdet.train.console import Console
+from megatron_bitdet.train.module_state import buffers_digest, capture_module_rng, generators_digest
 from megatron_bitdet.train.precision import step_digests
 from megatron_bitdet.train.step_fingerprints import buffer_digest, ddp_buffers, moe_aux_losses, step_metrics
 
@@ -76,6 +77,17 @@ def _moe_aux_losses(recipe, num_microbatches: int) -> dict:
                              "reduce_group": None, "avg_group": None, "reduce_group_has_dp": False}
         moe_utils.reduce_aux_losses_tracker_across_ranks([name])
     return moe_aux_losses(num_microbatches, names=[name] if name else [])
+
+
+def state_digests(model, grads_digest: str) -> dict:
+    """params and grads (DDP buffers), the model's buffers (router expert_bias, ...), and its own
+    generators' states when it holds any."""
+    chunks = [m.module for m in model]
+    digests = {"params": buffer_digest(model, "param_data"), "grads": grads_digest, "buffers": buffers_digest(chunks)}
+    generators = generators_digest(chunks)
+    if generators is not None:
+        digests["generators"] = generators
+    return digests
 
 
 def _lm_loss(losses_reduced):
@@ -206,6 +218,7 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
     forward_backward = get_forward_backward_func()
     writer = StepFingerprintWriter(run_dir, rank)
     model = state.ddp_modules
+    chunks = [m.module for m in model]
     try:
         for step in range(start + 1, stop + 1):
             t0 = time.perf_counter()
@@ -221,14 +234,14 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             aux = _moe_aux_losses(recipe, data.num_microbatches)
             metrics = step_metrics(lm_loss=lm_loss, aux=aux, aux_coeff=moe_coeff, grad_norm=grad_norm, lr=lr)
             aux_total = metrics["aux_loss"]
-            line = writer.write(step, metrics, {"params": buffer_digest(model, "param_data"), "grads": grads_digest,
-                                                **step_digests(model)})
+            line = writer.write(step, metrics, {**state_digests(model, grads_digest), **step_digests(model)})
             console.step(step, stop, elapsed_ms=elapsed * 1000, lr=lr, lm_loss=lm_loss, aux=aux_total,
                          grad_norm=grad_norm, consumed=data.consumed_samples, skipped=0 if ok else 1)
             if save_root and save_interval and step % save_interval == 0:
                 checkpoint.save_checkpoint(
                     save_root, step, ddp_modules=model, optimizer=state.optimizer, scheduler=state.scheduler,
-                    rank_state={"rng": checkpoint.capture_rng(), "data": data.state_dict()}, manifest=manifest,
+                    rank_state={"rng": checkpoint.capture_rng(), "data": data.state_dict(),
+                                "module_rng": capture_module_rng(chunks)}, manifest=manifest,
                 )
                 console.note(f"saved checkpoint iteration {step} to {save_root}")
             if step in snapshot_at:

@@ -46,6 +46,26 @@ def init_parallel(recipe) -> None:
     )
 
 
+def check_determinism_kept(recipe, config, provider) -> None:
+    """A model provider is user code run after enforcement: refuse it if it switched determinism off
+    (torch's flags, megatron's deterministic_mode), instead of recording a deterministic run that is not."""
+    from megatron_bitdet.errors import BitdetInputError
+
+    if not recipe.determinism.mode:
+        return
+    lost = [what for what, off in (
+        ("torch.use_deterministic_algorithms is off", not torch.are_deterministic_algorithms_enabled()),
+        ("torch deterministic algorithms are warn-only", torch.is_deterministic_algorithms_warn_only_enabled()),
+        ("torch.backends.cudnn.deterministic is off", not torch.backends.cudnn.deterministic),
+        ("torch.backends.cudnn.benchmark is on", torch.backends.cudnn.benchmark),
+        ("TransformerConfig.deterministic_mode is False", not getattr(config, "deterministic_mode", False)),
+    ) if off]
+    if lost:
+        name = f"{getattr(provider, '__module__', '?')}:{getattr(provider, '__qualname__', provider)}"
+        raise BitdetInputError(f"model provider {name}: after it ran, {'; '.join(lost)} (determinism.mode is "
+                               "true): a provider must leave the determinism settings as enforcement made them")
+
+
 def build_model(recipe, config, provider) -> list:
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -55,6 +75,7 @@ def build_model(recipe, config, provider) -> list:
         recipe, config,
         pre_process=ps.is_pipeline_first_stage(), post_process=ps.is_pipeline_last_stage(),
     )
+    check_determinism_kept(recipe, config, provider)
     if config.bf16 or config.fp16:
         # megatron's mixed-precision wrapper, as Megatron-LM's get_model applies it: every parameter in
         # 16 bits (Mamba's fp32-initialized A_log / D / dt_bias too), fp32 outputs on the last stage.

@@ -14,12 +14,13 @@ import torch
 from megatron_bitdet.rundir import snapshot_path
 from megatron_bitdet.train import precision
 from megatron_bitdet.train.checkpoint import capture_rng
+from megatron_bitdet.train.module_state import capture_module_rng, module_buffers
 
 # Restore components a fault-injection test may skip (``--fault-skip-restore``); never set in real runs.
 # compute_copy.rounding: the bf16 compute copy converted from the fp32 source rounding toward zero;
 # fp8.amax_history: the FP8 delayed-scaling state left fresh.
-FAULTS = ("rng.python", "rng.numpy", "rng.torch_cpu", "rng.tracker", "data", "optimizer.exp_avg", "scheduler",
-          "compute_copy.rounding", "fp8.amax_history")
+FAULTS = ("rng.python", "rng.numpy", "rng.torch_cpu", "rng.tracker", "rng.module", "data", "optimizer.exp_avg",
+          "scheduler", "compute_copy.rounding", "fp8.amax_history")
 
 
 def _optimizer_state(optimizer) -> dict:
@@ -44,7 +45,11 @@ def take_snapshot(run_dir, step: int, *, rank: int, ddp_modules, optimizer, sche
     params = {f"{i}.{name}": p.detach().clone()
               for i, m in enumerate(ddp_modules) for name, p in m.module.named_parameters()}
     compute_copy = precision.compute_copy_name(ddp_modules)
-    state = {"step": step, "rank": rank, compute_copy or "parameters": params}
+    chunks = [m.module for m in ddp_modules]
+    rng = capture_rng()
+    rng.update({f"module:{where}": s for where, s in capture_module_rng(chunks).items()})
+    state = {"step": step, "rank": rank, compute_copy or "parameters": params,
+             "buffers": {name: b.detach().clone() for name, b in module_buffers(chunks).items()}}
     if compute_copy:
         state["fp32_main_params"] = {n: t.detach().clone() for n, t in precision.main_params(ddp_modules)}
     fp8 = precision.fp8_scaling_state(ddp_modules)
@@ -53,7 +58,7 @@ def take_snapshot(run_dir, step: int, *, rank: int, ddp_modules, optimizer, sche
     state.update({
         "optimizer": _optimizer_state(optimizer),
         "scheduler": dict(scheduler.state_dict()),
-        "rng": capture_rng(),
+        "rng": rng,
         "data": data.state_dict(),
     })
     path = snapshot_path(run_dir, step, rank)

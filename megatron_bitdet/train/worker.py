@@ -57,6 +57,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
     from megatron_bitdet.train.loop import train_steps
     from megatron_bitdet.train.run import RunOptions
     from megatron_bitdet.train.setup import setup
+    from megatron_bitdet.train.module_state import restore_module_rng
     from megatron_bitdet.train.snapshot import inject_restore_faults, take_snapshot
 
     if not _ENFORCEMENT:
@@ -68,7 +69,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
     run_dir = Path(opts.run_dir)
     manifest = build_manifest(
         recipe, enforcement, world_size=world_size, argv=None if opts.argv is None else list(opts.argv),
-        placement=gather_placement(),
+        placement=gather_placement(), model_provider=opts.model_provider,
         extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams,
                "model_provider": opts.model_provider, "trace": options["trace"]},
     )
@@ -93,6 +94,8 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
             world_size=world_size,
         )
         checkpoint.restore_rng(rank_state["rng"], skip=frozenset(f[4:] for f in faults if f.startswith("rng.")))
+        if "rng.module" not in faults:
+            restore_module_rng([m.module for m in state.ddp_modules], rank_state.get("module_rng"), source=load)
         data.load_state_dict(rank_state["data"])
         if faults:
             inject_restore_faults(faults, ddp_modules=state.ddp_modules, optimizer=state.optimizer,
