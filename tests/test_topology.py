@@ -15,9 +15,12 @@ import sys
 import uuid
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from conftest import RECIPE
+from megatron_bitdet.recipe import load_recipe
+from megatron_bitdet.workflows.tax import NATIVE_REDUCTIONS, measure_tax
 
 BITDET = [sys.executable, "-m", "megatron_bitdet"]
 # 4 ranks on 2 cores: one thread each; warm-up off so 2 steps both train at full lr.
@@ -145,3 +148,18 @@ def test_two_nodes_through_torchrun_equal_one_node(ring_runs, two_nodes, tmp_pat
     assert sorted(r["host"] for r in manifest["placement"]["ranks"]) == ["node0", "node0", "node1", "node1"]
     proc = _compare(ring_runs["invariant_ring1"], run_dir)
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_tax_reports_the_invariant_reductions_cost(tmp_path):
+    """The deterministic recipe with invariant reductions is stepped beside the same recipe with c10d's,
+    interleaved in one launch; the baseline stays the fastest nondeterministic candidate."""
+    recipe = load_recipe(str(RECIPE), ["determinism.reductions=topology_invariant"])
+    tax = measure_tax(recipe, nproc=2, rounds=2, warmup=0, profile_steps=1, out_dir=tmp_path)
+    native = next(s for s in tax.candidates if s.name == NATIVE_REDUCTIONS)
+    assert not tax.baseline.deterministic and tax.baseline is not native
+    # Recorded inside each side's steps on every rank: the swap is on for one side and off for the other.
+    assert tax.deterministic.invariant_reductions == [True]
+    assert native.invariant_reductions == [False] and tax.baseline.invariant_reductions == [False]
+    paired = [a / b - 1 for a, b in zip(tax.deterministic.step_ms, native.step_ms)]
+    assert tax.reductions_percent == float(np.median(paired)) * 100
+    assert "topology-invariant reductions" in tax.summary()

@@ -18,17 +18,29 @@ _INSTALLED = contextlib.ExitStack()
 _RECORD: dict = {}
 
 
-def install(mode: str) -> dict | None:
-    """Install once per process; returns the manifest record (None when c10d's reductions stay)."""
+@contextlib.contextmanager
+def active(mode: str):
+    """``mode``'s reductions for a block only (the tax alternates sides with and without them);
+    yields the swapped bindings ([] when c10d's reductions stay)."""
     from megatron_bitdet.compat.collectives import swap_collectives
 
+    reductions = kernels.from_environment(mode)
+    if reductions is None:
+        yield []
+        return
+    makers = kernels.wrappers(reductions)
+    with swap_collectives(lambda name, fn: makers[name](fn), tuple(makers)) as bindings:
+        yield bindings
+
+
+def install(mode: str) -> dict | None:
+    """Install once per process; returns the manifest record (None when c10d's reductions stay)."""
     if _RECORD:
         return dict(_RECORD)
     reductions = kernels.from_environment(mode)
     if reductions is None:
         return None
-    makers = kernels.wrappers(reductions)
-    bindings = _INSTALLED.enter_context(swap_collectives(lambda name, fn: makers[name](fn), tuple(makers)))
+    bindings = _INSTALLED.enter_context(active(mode))
     _RECORD.update(
         id="topology_invariant_reductions" if mode == "topology_invariant" else "emulated_ring_reductions",
         mode=mode, transport=type(reductions.transport).__name__,

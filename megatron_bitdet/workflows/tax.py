@@ -20,6 +20,8 @@ import numpy as np
 from megatron_bitdet.errors import BitdetError, BitdetInputError
 from megatron_bitdet.rundir import logs_dir
 
+# The deterministic recipe with c10d's reductions: what the topology-invariant ones cost on their own.
+NATIVE_REDUCTIONS = "deterministic[native reductions]"
 WORKER = "megatron_bitdet.workflows.tax_worker:tax_worker"
 QUIET_PROFILER = {"KINETO_LOG_LEVEL": "6"}  # above every kineto level: no "profiler_start" lines per session
 
@@ -54,6 +56,7 @@ class SideStats:
     op_groups_ms: dict
     top_ops_ms: dict  # rank 0's costliest ops (self time, ms/step), for saying what dominates
     det_algorithms_enabled: list  # torch.are_deterministic_algorithms_enabled() seen during its steps, all ranks
+    invariant_reductions: list  # whether topology-invariant reductions were bound during its steps, all ranks
 
 
 @dataclass
@@ -68,6 +71,7 @@ class TaxResult:
     config: TaxConfig
     phases_s: dict = field(default_factory=dict)  # rank 0's seconds from start to: built, rounds, profiled
     notes: list = field(default_factory=list)
+    reductions_percent: float | None = None  # invariant vs native reductions, paired (None: not measured)
 
     @property
     def dominant(self) -> str:
@@ -97,7 +101,9 @@ class TaxResult:
         b = self.baseline
         return (f"tax {self.tax_percent:+.2f}% (paired {self.paired_tax_percent:+.2f}%): deterministic "
                 f"{self.deterministic.median_ms:.1f} ms vs {b.name} {b.median_ms:.1f} ms per step, "
-                f"{self.config.rounds} rounds on {self.nproc} ranks x {self.threads} threads; grew most: {self.dominant}")
+                f"{self.config.rounds} rounds on {self.nproc} ranks x {self.threads} threads; grew most: {self.dominant}"
+                + (f"; topology-invariant reductions {self.reductions_percent:+.2f}% (paired)"
+                   if self.reductions_percent is not None else ""))
 
 
 def candidates(recipe) -> list[dict]:
@@ -109,6 +115,10 @@ def candidates(recipe) -> list[dict]:
     would get that this side runs without) and "fill_uninitialized_memory" (torch's NaN-fill; default:
     the run recipe's)."""
     sides = [{"name": "deterministic", "recipe": recipe.to_dict(), "deterministic": True}]
+    if recipe.determinism.reductions == "topology_invariant":
+        d = recipe.to_dict()
+        d["determinism"]["reductions"] = "native"
+        sides.append({"name": NATIVE_REDUCTIONS, "recipe": d, "deterministic": True})
     moe = recipe.model.has("E")
     impls = ["sequential", "grouped"] + (["te_grouped"] if _on_cuda() else []) if moe else [None]
     for impl in impls:
@@ -139,6 +149,7 @@ def _stats(side: dict, per_rank: list[dict], tokens_per_step: int) -> SideStats:
         op_groups_ms={g: float(np.mean([r["op_groups_ms"].get(g, 0.0) for r in per_rank])) for g in groups},
         top_ops_ms=per_rank[0]["top_ops_ms"],
         det_algorithms_enabled=sorted({f for r in per_rank for f in r["det_flag_seen"]}),
+        invariant_reductions=sorted({f for r in per_rank for f in r["invariant_seen"]}),
     )
 
 
@@ -198,7 +209,8 @@ def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_di
     stats, threads, phases = run_sides(recipe, sides, nproc=nproc, config=cfg, out_dir=out_dir,
                                        model_provider=model_provider)
     det, others = stats[0], stats[1:]
-    base = min(others, key=lambda s: s.median_ms)
+    native = next((s for s in others if s.name == NATIVE_REDUCTIONS), None)
+    base = min((s for s in others if s is not native), key=lambda s: s.median_ms)
     notes = [(f"baseline = fastest nondeterministic candidate: {base.name} "
               f"(candidates: {', '.join(f'{c.name} {c.median_ms:.2f} ms' for c in others)})") if against is None
              else "baseline = the original (unfixed) configuration; the fixed one is measured against it",
@@ -208,9 +220,15 @@ def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_di
                                 else "process RSS high-water per step (VmHWM reset via /proc/self/clear_refs; "
                                      "includes all sides' resident models: compare by difference)")]
     paired = float(np.median([a / b - 1 for a, b in zip(det.step_ms, base.step_ms)]) * 100)
+    reductions_pct = None
+    if native is not None:
+        reductions_pct = float(np.median([a / b - 1 for a, b in zip(det.step_ms, native.step_ms)]) * 100)
+        notes.append(f"topology-invariant reductions: {reductions_pct:+.2f}% a step (paired) against the same "
+                     f"deterministic recipe with c10d's reductions ({native.median_ms:.2f} ms)")
     result = TaxResult(deterministic=det, baseline=base, candidates=others,
                        tax_percent=(det.median_ms / base.median_ms - 1) * 100, paired_tax_percent=paired,
-                       nproc=nproc, threads=threads, config=cfg, phases_s=phases, notes=notes)
+                       nproc=nproc, threads=threads, config=cfg, phases_s=phases, notes=notes,
+                       reductions_percent=reductions_pct)
     (out_dir / "tax.json").write_text(result.to_json())
     return result
 

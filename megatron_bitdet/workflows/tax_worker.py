@@ -68,6 +68,7 @@ class Side:
     comm_s: list = field(default_factory=list)
     peak_mib: list = field(default_factory=list)
     det_flag_seen: set = field(default_factory=set)
+    invariant_seen: set = field(default_factory=set)  # were topology-invariant reductions bound in its steps
     op_groups_ms: dict = field(default_factory=dict)
     top_ops_ms: dict = field(default_factory=dict)
 
@@ -194,16 +195,20 @@ def _step(side: Side) -> None:
 
 
 def _timed_step(side: Side, comm: CommTimer, memory: PeakMemory, record: bool) -> None:
+    from megatron_bitdet.train.reductions import active
+
     _activate(side)
     memory.reset()
     comm.seconds = 0.0
-    dist.barrier()  # every side pays the barrier before its clock starts
-    t0 = time.perf_counter()
-    with comm.installed():
-        _step(side)
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-    elapsed = time.perf_counter() - t0
+    with active(side.recipe.determinism.reductions) as bindings:  # rebinding happens outside the clock
+        side.invariant_seen.add(bool(bindings))
+        dist.barrier()  # every side pays the barrier before its clock starts
+        t0 = time.perf_counter()
+        with comm.installed():
+            _step(side)
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - t0
     if record:
         side.step_s.append(elapsed)
         side.comm_s.append(comm.seconds)
@@ -215,8 +220,10 @@ def _profile(side: Side, steps: int) -> None:
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    from megatron_bitdet.train.reductions import active
+
     _activate(side)
-    with profile(activities=activities) as prof:
+    with active(side.recipe.determinism.reductions), profile(activities=activities) as prof:
         for _ in range(steps):
             _step(side)
     groups: dict = {}
@@ -268,7 +275,7 @@ def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds:
         _profile(side, profile_steps)
     phases["profiled"] = time.perf_counter()
     mine = [{"name": s.name, "step_s": s.step_s, "comm_s": s.comm_s, "peak_mib": s.peak_mib,
-             "det_flag_seen": sorted(s.det_flag_seen), "op_groups_ms": s.op_groups_ms,
+             "det_flag_seen": sorted(s.det_flag_seen), "invariant_seen": sorted(s.invariant_seen), "op_groups_ms": s.op_groups_ms,
              "top_ops_ms": s.top_ops_ms} for s in built]
     gathered = [None] * world_size
     dist.all_gather_object(gathered, mine)
