@@ -122,6 +122,10 @@ MODULE_CASES = {"megatron_bitdet.kernels.grouped_mlp:GroupedProbMLP",
                 "megatron_bitdet.kernels.moe_aux:reduce_aux_losses_tracker_across_ranks",
                 "megatron_bitdet.kernels.moe_aux:switch_load_balancing_loss_func",
                 "megatron_bitdet.model.norm:LocalNorm"}
+# the emulated FP8 linears need megatron's TP state and an fp8 TransformerConfig: their bitwise repeats
+# (outputs and every gradient, TP2 / EP2 / PP2) are tests/test_module_precision.py's fp8 column
+MODULE_PRECISION_CASES = {"megatron_bitdet.kernels.fp8_linear:EmulatedFP8ColumnParallelLinear",
+                          "megatron_bitdet.kernels.fp8_linear:EmulatedFP8RowParallelLinear"}
 
 
 def _swapped_callables():
@@ -135,7 +139,7 @@ def _swapped_callables():
 
 
 def test_every_swapped_kernel_is_guarded_here():
-    assert _swapped_callables() <= set(_kernel_cases()) | MODULE_CASES
+    assert _swapped_callables() <= set(_kernel_cases()) | MODULE_CASES | MODULE_PRECISION_CASES
 
 
 def test_kernel_check_passes_on_every_swapped_kernel(bitdet_kernel_check):

@@ -28,7 +28,8 @@ OVERRIDES = ["training.iterations=2", "training.lr_schedule.warmup_iters=0", "de
 
 
 def _train(run_dir: Path, reductions: str, ring: str | None) -> Path:
-    env = {k: v for k, v in os.environ.items() if k != "BITDET_EMULATED_RING"}
+    # OMP_NUM_THREADS is in the validation scope; torchrun sets it to 1, so the one-node runs do too.
+    env = {k: v for k, v in os.environ.items() if k != "BITDET_EMULATED_RING"} | {"OMP_NUM_THREADS": "1"}
     if ring is not None:
         env["BITDET_EMULATED_RING"] = ring
     proc = subprocess.run(

@@ -206,22 +206,28 @@ def rng_tracker():
     mrandom.initialize_rng_tracker(force_reset=True)
 
 
+def triton_stand_in(name: str, **attrs) -> None:
+    """Put a stand-in for the Triton-importing module ``name`` in ``sys.modules`` (unless it is loaded
+    already or Triton is installed): megatron imports such modules at load time for paths training on
+    CPU never takes; the stand-in's ``attrs`` say so if one is called."""
+    if name in sys.modules or importlib.util.find_spec("triton") is not None:
+        return
+    stub = types.ModuleType(name)
+    stub.__doc__ = "bitdet CPU stand-in: Triton is unavailable"
+    for attr, value in attrs.items():
+        setattr(stub, attr, value)
+    sys.modules[name] = stub
+
+
 def triton_inference_ops():
     """``ssm.mamba_mixer`` imports megatron's Triton tensor ops for dynamic inference at module
     import time, and Triton does not import without a driver. Training never calls them; the
     stand-in module raises if inference tries."""
-    name = "megatron.core.inference.contexts.attention_context.triton.tensor_ops"
-    if name in sys.modules or importlib.util.find_spec("triton") is not None:
-        return
-
     def unavailable(*_, **__):
         raise NotImplementedError("megatron dynamic inference needs Triton, which is unavailable on this machine")
 
-    stub = types.ModuleType(name)
-    stub.__doc__ = "bitdet CPU stand-in: Triton is unavailable"
-    for fn in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge"):
-        setattr(stub, fn, unavailable)
-    sys.modules[name] = stub
+    triton_stand_in("megatron.core.inference.contexts.attention_context.triton.tensor_ops",
+                    **{fn: unavailable for fn in ("tensor_get_slice_after", "tensor_masked_update", "tensor_merge")})
 
 
 def cuda_device_literals():

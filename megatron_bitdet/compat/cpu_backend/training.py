@@ -8,11 +8,10 @@ from __future__ import annotations
 
 import importlib.util
 import sys
-import types
 
 import torch
 
-from megatron_bitdet.compat.cpu_backend.seams import _CUDA_LITERALS, _cuda_literals_to_cpu
+from megatron_bitdet.compat.cpu_backend.seams import _CUDA_LITERALS, _cuda_literals_to_cpu, triton_stand_in
 from megatron_bitdet.compat.rebind import rebind
 from megatron_bitdet.errors import BitdetError
 
@@ -71,22 +70,18 @@ def batch_invariant_kernels():
     """``megatron.training.initialize`` imports megatron-core's batch-invariant kernels, which import
     Triton at module load (Triton needs a GPU driver; it is not installed for this). The stand-in has
     the module's public names; turning batch-invariant mode on raises, saying why."""
-    name = "megatron.core.transformer.custom_layers.batch_invariant_kernels"
-    if name in sys.modules or importlib.util.find_spec("triton") is not None:
-        return
-
     def unavailable(*_, **__):
         raise BitdetError("--batch-invariant-mode needs megatron-core's Triton kernels; Triton is unavailable here")
 
-    stub = types.ModuleType(name)
-    stub.__doc__ = "bitdet CPU stand-in: Triton is unavailable"
-    stub.enable_batch_invariant_mode = unavailable
-    stub.set_batch_invariant_mode = lambda enabled=True: unavailable() if enabled else None
-    stub.disable_batch_invariant_mode = lambda: None
-    stub.is_batch_invariant_mode_enabled = lambda: False
-    stub.__all__ = ["set_batch_invariant_mode", "is_batch_invariant_mode_enabled",
-                    "disable_batch_invariant_mode", "enable_batch_invariant_mode"]
-    sys.modules[name] = stub
+    triton_stand_in(
+        "megatron.core.transformer.custom_layers.batch_invariant_kernels",
+        enable_batch_invariant_mode=unavailable,
+        set_batch_invariant_mode=lambda enabled=True: unavailable() if enabled else None,
+        disable_batch_invariant_mode=lambda: None,
+        is_batch_invariant_mode_enabled=lambda: False,
+        __all__=["set_batch_invariant_mode", "is_batch_invariant_mode_enabled",
+                 "disable_batch_invariant_mode", "enable_batch_invariant_mode"],
+    )
 
 
 def allow_no_cuda():
