@@ -73,7 +73,7 @@ def test_readme_install_block_and_guard_file_in_a_fresh_venv(tmp_path):
 
         out = _run(["bash", "-euo", "pipefail", "-c", readme_block("Installing into an existing Megatron environment",
                                                                    "bash")], cwd=src, env=env)
-        assert "OK nemotron_h_tiny:" in out and "12 rules clear" in out, out
+        assert "OK nemotron_h_tiny:" in out and re.search(r"\d+ rules clear", out), out
         where = _run([python, "-c", INSTALLED_CHECK], cwd=work, env=env).split()
         assert all(p.startswith(where[0]) for p in where[1:]), where  # the wheel's files, not the checkout's
 
