@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from megatron_bitdet.cli import main
 
 RECIPE = "recipes/nemotron_h_tiny.yaml"
@@ -33,8 +35,6 @@ def test_prove_holds_end_to_end(tmp_path, capsys):
     assert "Determinism tax" in html and "every guarantee holds" in html
     assert f"report: {out / 'report.html'}" in printed.replace("\n", "")
     import json
-
-import pytest
 
     payload = json.loads((out / "prove.json").read_text())
     assert payload["holds"] and payload["tax"]["deterministic"]["det_algorithms_enabled"] == [True]
