@@ -140,10 +140,32 @@ def test_two_rank_gloo_traces_align_and_name_peers(tmp_path):
         assert [r["name"] for r in colls] == ["all_reduce", "all_reduce", "all_gather_into_tensor"]
         assert all(r["peer"]["group"] == [0, 1] for r in colls)
         assert colls[0]["in"] != colls[0]["out"]  # input hashed before the reduction, output after
+        # gloo writes t outside ATen (no version bump): the next op (t * 2) still hashes the reduced bytes
+        ops = [r for r in recs if r["k"] == "op"]
+        (mul,) = [r for r in ops if r["name"] == "aten.mul.Tensor"]
+        (add,) = [r for r in ops if r["name"] == "aten.add.Tensor"]
+        assert mul["in"][0] == colls[0]["out"][0] != add["out"][0]
         assert not any(r["name"].startswith("c10d") for r in recs)
     _, r0 = records(tmp_path / "a", 0)
     _, r1 = records(tmp_path / "a", 1)
     assert [r for r in r0 if r["k"] == "coll"][0]["out"] == [r for r in r1 if r["k"] == "coll"][0]["out"]
+
+
+def test_digests_see_writes_that_bypass_aten():
+    """Digests are never reused: bytes written behind the dispatcher (numpy, ctypes) after a tensor
+    was hashed change its next digest, which equals a fresh copy's."""
+    import ctypes
+
+    from megatron_bitdet.trace.digest import digest
+
+    t = torch.arange(64.0)
+    first = digest(t, "fast")
+    t.numpy()[5] = -1.0
+    second = digest(t, "fast")
+    assert second != first and second == digest(t.clone(), "fast")
+    ctypes.memset(t.data_ptr() + 4 * 63, 0, 4)  # last element zeroed by libc
+    assert digest(t, "fast") not in (first, second) and digest(t, "fast") == digest(t.clone(), "fast")
+    assert digest(t[8:16], "fast") == digest(t[8:16].clone(), "fast")  # same bytes at another offset
 
 
 def test_view_digests_are_exact_without_copies():

@@ -16,17 +16,30 @@ from megatron_bitdet.fingerprint.tensor import dtype_name, exact_digest, hashabl
 HASHES = ("fast", "exact", "xor")
 _CHAR_ARRAYS: dict[int, type] = {}
 _PREFIXES: dict = {}
+_SPANS: dict = {}
+_STRIDED = torch.strided
 
 
 def _host_buffer(t: torch.Tensor):
     """A zero-copy buffer over a contiguous CPU tensor's bytes."""
-    n = t.numel() * t.element_size()
-    typ = _CHAR_ARRAYS.get(n)
-    if typ is None:
-        typ = _CHAR_ARRAYS[n] = ctypes.c_char * n
-        if len(_CHAR_ARRAYS) > 4096:
-            _CHAR_ARRAYS.clear()
-    return typ.from_address(t.data_ptr())
+    return _span(t.data_ptr(), t.numel() * t.element_size())
+
+
+def _span(ptr: int, n: int):
+    """A ctypes array over ``n`` bytes at ``ptr``, kept per (ptr, n): it holds only the address, so a
+    kept one reads whatever those bytes are when hashed (always a live tensor's)."""
+    key = (ptr, n)
+    buf = _SPANS.get(key)
+    if buf is None:
+        typ = _CHAR_ARRAYS.get(n)
+        if typ is None:
+            typ = _CHAR_ARRAYS[n] = ctypes.c_char * n
+            if len(_CHAR_ARRAYS) > 4096:
+                _CHAR_ARRAYS.clear()
+        if len(_SPANS) > 65536:
+            _SPANS.clear()
+        buf = _SPANS[key] = typ.from_address(ptr)
+    return buf
 
 
 def prefix(t: torch.Tensor) -> str:
@@ -39,8 +52,23 @@ def prefix(t: torch.Tensor) -> str:
     return p
 
 
+def cpu_fast(t: torch.Tensor) -> str:
+    """``digest(t, "fast")`` of a CPU tensor: the hot path of op tracing (a few attribute reads and
+    one xxh3 call for a contiguous tensor)."""
+    p = _PREFIXES.get((t.dtype, t.shape)) or prefix(t)
+    n = t.nbytes
+    if not n:
+        return p + "empty"
+    if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        return p + xxhash.xxh3_64_hexdigest(_span(t.data_ptr(), n))
+    t, layout = _dense_view(t)
+    return p + layout + xxhash.xxh3_64_hexdigest(_host_buffer(t))
+
+
 def digest(t: torch.Tensor, mode: str):
     """A finished "dtype[shape]:hex" string, or (prefix, 0-d device tensor) to resolve at flush."""
+    if mode == "fast" and t.is_cpu:
+        return cpu_fast(t)
     p = prefix(t)
     if t.numel() == 0:
         return p + "empty"
@@ -48,9 +76,6 @@ def digest(t: torch.Tensor, mode: str):
         return p + exact_digest(t)
     if mode == "xor":
         return p + hex64(torch.hash_tensor(hashable_view(t.detach())).item())
-    if t.device.type == "cpu":
-        t, layout = _dense_view(t)
-        return p + layout + f"{xxhash.xxh3_64_intdigest(_host_buffer(t)):016x}"
     return (p, pos_digest_tensor(t))
 
 
@@ -95,7 +120,7 @@ def flat_tensors(args, kwargs) -> list[torch.Tensor]:
     for group in (args, kwargs.values() if kwargs else ()):
         for a in group:
             if isinstance(a, torch.Tensor):
-                if a.layout == torch.strided and a.device.type != "meta":
+                if a.layout is _STRIDED and not a.is_meta:
                     out.append(a)
             elif isinstance(a, (list, tuple, dict)):
                 out += trace_tensors(a)

@@ -39,7 +39,9 @@ def _digest_list(xs: list) -> str:
     if not xs:
         return "[]"
     body = '","'.join(xs)
-    if '"' in body or "\\" in body or not body.isascii():
+    # json.dumps escapes only quotes, backslashes, control and non-ASCII characters: the joined
+    # body holds exactly the separators' quotes when no digest string needs escaping
+    if body.count('"') != 2 * len(xs) - 2 or "\\" in body or not (body.isascii() and body.isprintable()):
         return json.dumps(xs, separators=(",", ":"))
     return '["' + body + '"]'
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from contextlib import contextmanager
 
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_bitdet.trace.digest import flat_tensors, prefix
+from megatron_bitdet.trace.digest import cpu_fast, digest, flat_tensors, prefix
 
 # collectives are recorded by the torch.distributed wrappers at completion, not at launch
 _SKIP_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "profiler"})
@@ -22,11 +23,13 @@ _INFO: dict = {}
 class _OpInfo:
     """What the dispatch mode needs to know about an op, computed once per overload."""
 
-    __slots__ = ("name", "skip", "uninit", "copy", "write_pos", "write_names")
+    __slots__ = ("name", "call", "skip", "uninit", "copy", "write_pos", "write_names")
 
     def __init__(self, func):
         base = func._overloadpacket.__name__
         self.name = str(func)
+        # a plain OpOverload's __call__ only forwards to _op (one Python frame less per op)
+        self.call = func._op if type(func) is OpOverload else func
         self.skip = func.namespace in _SKIP_NAMESPACES
         self.uninit = base in _UNINIT
         self.copy = base == "copy_"
@@ -54,19 +57,29 @@ def _written(info: _OpInfo, args, kwargs) -> list:
 
 
 class _OpTraceMode(TorchDispatchMode):
+    """Every op outside the tracer's own work: inputs hashed before, outputs after, one record.
+
+    The mode is popped while ``__torch_dispatch__`` runs, so the digests' own torch ops (copies of
+    gapped views) are not traced and need no ``quiet``; the record is appended here directly (the
+    same tuple ``Tracer.record`` appends) because this runs for every op of a traced step.
+    """
+
     def __init__(self, tracer):
         super().__init__()
         self.tr = tracer
+        self.fp = cpu_fast if tracer.config.hash == "fast" else None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         tr = self.tr
         info = _INFO.get(func) or _info(func)
         if tr.quiet or info.skip:
-            return func(*args, **kwargs)
+            return info.call(*args, **kwargs)
         in_t = flat_tensors(args, kwargs)
-        ins = tr.fps(in_t)
-        flags = []
+        fp, mode = self.fp, tr.config.hash
+        ins = [fp(t) if fp is not None and t.is_cpu else digest(t, mode) for t in in_t]
+        flags = None
         uninit = tr.uninit
         written = None
         if uninit:
@@ -75,9 +88,9 @@ class _OpTraceMode(TorchDispatchMode):
                 written = _written(info, args, kwargs)
                 ids = {id(t) for t in written}
                 if any(id(t) not in ids for t in hits):
-                    flags.append("reads_uninit")
+                    flags = ["reads_uninit"]
         if tr.inflight and any(t.data_ptr() in tr.inflight for t in in_t):
-            flags.append("reads_inflight")
+            flags = (flags or []) + ["reads_inflight"]
         cap = tr.capture
         armed = cap is not None and not cap.done and tr.next_id(info.name) == cap.event_id
         if armed:
@@ -86,7 +99,7 @@ class _OpTraceMode(TorchDispatchMode):
                 pending = cap.before(func, args, kwargs)
             finally:
                 tr.quiet -= 1
-        out = func(*args, **kwargs)
+        out = info.call(*args, **kwargs)
         if armed:
             tr.quiet += 1
             try:
@@ -95,22 +108,19 @@ class _OpTraceMode(TorchDispatchMode):
                 tr.quiet -= 1
         out_t = flat_tensors((out,), None)
         if info.uninit:
-            flags.append("uninit")
+            flags = (flags or []) + ["uninit"]
             outs = [prefix(t) + "uninit" for t in out_t]
             uninit.update((t.data_ptr(), None) for t in out_t)
         else:
-            outs = tr.fps(out_t)
+            outs = [fp(t) if fp is not None and t.is_cpu else digest(t, mode) for t in out_t]
             if uninit:
                 for t in out_t:
                     uninit.pop(t.data_ptr(), None)
                 for t in written if written is not None else _written(info, args, kwargs):
                     uninit.pop(t.data_ptr(), None)
         if kwargs.get("non_blocking") or (info.copy and len(args) > 2 and args[2]):
-            flags.append("nonblocking")
-        if flags:
-            tr.record("op", info.name, ins, outs, flags=flags)
-        else:
-            tr.record("op", info.name, ins, outs)
+            flags = (flags or []) + ["nonblocking"]
+        tr.record_op(info.name, ins, outs, flags)
         return out
 
 
