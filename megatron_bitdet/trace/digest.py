@@ -18,6 +18,7 @@ _CHAR_ARRAYS: dict[int, type] = {}
 _PREFIXES: dict = {}
 _SPANS: dict = {}
 _STRIDED = torch.strided
+_NODES = torch.utils._pytree.SUPPORTED_NODES
 
 
 def _host_buffer(t: torch.Tensor):
@@ -52,13 +53,15 @@ def prefix(t: torch.Tensor) -> str:
     return p
 
 
-def cpu_fast(t: torch.Tensor) -> str:
-    """``digest(t, "fast")`` of a CPU tensor: the hot path of op tracing (a few attribute reads and
-    one xxh3 call for a contiguous tensor)."""
+def fast(t: torch.Tensor):
+    """``digest(t, "fast")``, the hot path of op tracing: for a contiguous CPU tensor a few attribute
+    reads and one xxh3 call over its bytes."""
     p = _PREFIXES.get((t.dtype, t.shape)) or prefix(t)
     n = t.nbytes
     if not n:
         return p + "empty"
+    if not t.is_cpu:
+        return (p, pos_digest_tensor(t))
     if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
         return p + xxhash.xxh3_64_hexdigest(_span(t.data_ptr(), n))
     t, layout = _dense_view(t)
@@ -67,16 +70,14 @@ def cpu_fast(t: torch.Tensor) -> str:
 
 def digest(t: torch.Tensor, mode: str):
     """A finished "dtype[shape]:hex" string, or (prefix, 0-d device tensor) to resolve at flush."""
-    if mode == "fast" and t.is_cpu:
-        return cpu_fast(t)
+    if mode == "fast":
+        return fast(t)
     p = prefix(t)
     if t.numel() == 0:
         return p + "empty"
     if mode == "exact":
         return p + exact_digest(t)
-    if mode == "xor":
-        return p + hex64(torch.hash_tensor(hashable_view(t.detach())).item())
-    return (p, pos_digest_tensor(t))
+    return p + hex64(torch.hash_tensor(hashable_view(t.detach())).item())
 
 
 def _dense_view(t: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -114,15 +115,16 @@ def resolve(items: list) -> None:
 
 
 def flat_tensors(args, kwargs) -> list[torch.Tensor]:
-    """``trace_tensors((args, kwargs))`` for the usual op arguments (tensors, lists of tensors,
-    scalars) without the pytree walk; anything nested deeper goes through the pytree."""
+    """``trace_tensors((args, kwargs))`` without the pytree walk for the usual arguments (tensors and
+    scalars); containers and registered pytree nodes still go through the pytree, so the result is
+    the same list."""
     out = []
     for group in (args, kwargs.values() if kwargs else ()):
         for a in group:
             if isinstance(a, torch.Tensor):
                 if a.layout is _STRIDED and not a.is_meta:
                     out.append(a)
-            elif isinstance(a, (list, tuple, dict)):
+            elif isinstance(a, (list, tuple, dict)) or type(a) in _NODES:
                 out += trace_tensors(a)
     return out
 

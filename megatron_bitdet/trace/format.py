@@ -24,6 +24,7 @@ def event_id(rec: dict) -> str:
 
 
 _JSON_STRINGS: dict[str, str] = {}
+_HEADS: dict[tuple, tuple[str, str]] = {}
 
 
 def _js(s: str) -> str:
@@ -50,8 +51,14 @@ def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str,
                 extra: dict) -> str:
     """One record as its JSONL line: exactly ``json.dumps`` of the record dict (compact separators),
     built from cached pieces because an op-level trace writes thousands of lines a step."""
-    line = (f'{{"step":{step},"phase":{_js(phase)},"scope":{_js(scope)},"name":{_js(name)},"n":{n},'
-            f'"k":{_js(kind)},"in":{_digest_list(ins)},"out":{_digest_list(outs)}')
+    key = (phase, scope, name, kind)
+    head = _HEADS.get(key)
+    if head is None:
+        if len(_HEADS) > 65536:
+            _HEADS.clear()
+        head = _HEADS[key] = (f',"phase":{_js(phase)},"scope":{_js(scope)},"name":{_js(name)},"n":',
+                              f',"k":{_js(kind)},"in":')
+    line = f'{{"step":{step}{head[0]}{n}{head[1]}{_digest_list(ins)},"out":{_digest_list(outs)}'
     if extra:
         line += "," + json.dumps(extra, separators=(",", ":"))[1:-1]
     return line + "}"

@@ -7,23 +7,27 @@ and an op that reads one first is flagged `reads_uninit`.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
+import torch
+from torch import Tensor
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_bitdet.trace.digest import cpu_fast, digest, flat_tensors, prefix
+from megatron_bitdet.trace.digest import digest, fast, flat_tensors, prefix
 
 # collectives are recorded by the torch.distributed wrappers at completion, not at launch
 _SKIP_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "profiler"})
 _UNINIT = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 _INFO: dict = {}
+_STRIDED = torch.strided
 
 
 class _OpInfo:
     """What the dispatch mode needs to know about an op, computed once per overload."""
 
-    __slots__ = ("name", "call", "skip", "uninit", "copy", "write_pos", "write_names")
+    __slots__ = ("name", "call", "skip", "uninit", "copy", "write_pos", "write_names", "view")
 
     def __init__(self, func):
         base = func._overloadpacket.__name__
@@ -37,6 +41,11 @@ class _OpInfo:
                if a.alias_info is not None and a.alias_info.is_write]
         self.write_pos = tuple(i for i, _ in hit)
         self.write_names = tuple(n for _, n in hit)
+        rets = func._schema.returns
+        # an ATen view op: every output aliases an input, nothing is written (no kernel touches data)
+        self.view = func.namespace == "aten" and not hit and bool(rets) and (
+            base == "_unsafe_view"  # a view whose schema does not say so (its input is a temporary)
+            or all(r.alias_info is not None and not r.alias_info.is_write for r in rets))
 
 
 def _info(func) -> _OpInfo:
@@ -56,6 +65,24 @@ def _written(info: _OpInfo, args, kwargs) -> list:
     return flat_tensors(written, None)
 
 
+def _dense(t) -> bool:
+    return t.is_contiguous() and not (t.is_conj() or t.is_neg())
+
+
+def _same_span(t, in_t: list, ins: list) -> str | None:
+    """A view op's output over exactly the bytes of a contiguous input hashed just before the op:
+    the same hex under the output's prefix (those bytes are what hashing them again would read; no
+    asynchronous collective is in flight when this is used)."""
+    n = t.nbytes
+    if not n or not _dense(t):
+        return None
+    ptr = t.data_ptr()
+    for src, d in zip(in_t, ins):
+        if src.data_ptr() == ptr and src.nbytes == n and src.is_cpu and t.is_cpu and _dense(src):
+            return prefix(t) + d[-16:]
+    return None
+
+
 class _OpTraceMode(TorchDispatchMode):
     """Every op outside the tracer's own work: inputs hashed before, outputs after, one record.
 
@@ -67,7 +94,9 @@ class _OpTraceMode(TorchDispatchMode):
     def __init__(self, tracer):
         super().__init__()
         self.tr = tracer
-        self.fp = cpu_fast if tracer.config.hash == "fast" else None
+        mode = tracer.config.hash
+        self.fast = mode == "fast"
+        self.fp = fast if self.fast else functools.partial(digest, mode=mode)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if kwargs is None:
@@ -77,8 +106,8 @@ class _OpTraceMode(TorchDispatchMode):
         if tr.quiet or info.skip:
             return info.call(*args, **kwargs)
         in_t = flat_tensors(args, kwargs)
-        fp, mode = self.fp, tr.config.hash
-        ins = [fp(t) if fp is not None and t.is_cpu else digest(t, mode) for t in in_t]
+        fp = self.fp
+        ins = [fp(t) for t in in_t]
         flags = None
         uninit = tr.uninit
         written = None
@@ -106,13 +135,19 @@ class _OpTraceMode(TorchDispatchMode):
                 cap.after(pending, out)
             finally:
                 tr.quiet -= 1
-        out_t = flat_tensors((out,), None)
+        if isinstance(out, Tensor):
+            out_t = [out] if out.layout is _STRIDED and not out.is_meta else []
+        else:
+            out_t = flat_tensors((out,), None)
         if info.uninit:
             flags = (flags or []) + ["uninit"]
             outs = [prefix(t) + "uninit" for t in out_t]
             uninit.update((t.data_ptr(), None) for t in out_t)
         else:
-            outs = [fp(t) if fp is not None and t.is_cpu else digest(t, mode) for t in out_t]
+            if info.view and self.fast and not tr.inflight:
+                outs = [_same_span(t, in_t, ins) or fp(t) for t in out_t]
+            else:
+                outs = [fp(t) for t in out_t]
             if uninit:
                 for t in out_t:
                     uninit.pop(t.data_ptr(), None)
