@@ -19,6 +19,7 @@ _PREFIXES: dict = {}
 _SPANS: dict = {}
 _STRIDED = torch.strided
 _NODES = torch.utils._pytree.SUPPORTED_NODES
+_xxh = xxhash.xxh3_64_hexdigest
 
 
 def _host_buffer(t: torch.Tensor):
@@ -63,9 +64,10 @@ def fast(t: torch.Tensor):
     if not t.is_cpu:
         return (p, pos_digest_tensor(t))
     if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-        return p + xxhash.xxh3_64_hexdigest(_span(t.data_ptr(), n))
+        key = (t.data_ptr(), n)
+        return p + _xxh(_SPANS.get(key) or _span(*key))
     t, layout = _dense_view(t)
-    return p + layout + xxhash.xxh3_64_hexdigest(_host_buffer(t))
+    return p + layout + _xxh(_host_buffer(t))
 
 
 def digest(t: torch.Tensor, mode: str):

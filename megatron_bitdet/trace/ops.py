@@ -151,8 +151,9 @@ class _OpTraceMode(TorchDispatchMode):
             if uninit:
                 for t in out_t:
                     uninit.pop(t.data_ptr(), None)
-                for t in written if written is not None else _written(info, args, kwargs):
-                    uninit.pop(t.data_ptr(), None)
+                if info.write_pos:
+                    for t in written if written is not None else _written(info, args, kwargs):
+                        uninit.pop(t.data_ptr(), None)
         if kwargs.get("non_blocking") or (info.copy and len(args) > 2 and args[2]):
             flags = (flags or []) + ["nonblocking"]
         tr.record_op(info.name, ins, outs, flags)
