@@ -55,9 +55,9 @@ def run(args) -> int:
     if args.megatron_lm:
         from megatron_bitdet.workflows.megatron_resume import verify_megatron_resume
 
-        line = args.overrides[1:] if args.overrides[:1] == ["--"] else list(args.overrides)
         report = verify_megatron_resume(
-            args.megatron_lm, line, parse_resume_at(args.resume_at), nproc=args.nproc, skip_restore=args.skip_restore,
+            args.megatron_lm, launch_line_after_dashes(args), parse_resume_at(args.resume_at), nproc=args.nproc,
+            skip_restore=args.skip_restore,
             reference_dir=args.reference,
             out_dir=args.out or os.path.join("runs", "verify_resume", os.path.basename(args.megatron_lm)))
         return _print_report(report, args)
@@ -75,6 +75,11 @@ def run(args) -> int:
         model_provider=args.model_provider, faults=args.fault_skip_restore, reference_dir=args.reference,
     )
     return _print_report(report, args)
+
+
+def launch_line_after_dashes(args) -> list:
+    """The Megatron-LM launch line given after ``--`` (argparse leaves it among the positionals)."""
+    return args.overrides[1:] if args.overrides[:1] == ["--"] else list(args.overrides)
 
 
 def _print_report(report, args) -> int:
