@@ -88,7 +88,8 @@ def launch_tax(deterministic: dict, baseline, *, nproc: int, iterations: int, wa
              f"deterministic {threads['deterministic']}, baseline {threads['baseline']}",
              f"deterministic = {', '.join(det)} (the launches proven above); step time = Megatron-LM's train_step "
              "on the slowest rank (bitdet's grads digest and run A's snapshots left out); "
-             + (f"steps 1-{warmup} of each launch excluded as warm-up" if warmup else "no warm-up excluded"),
+             + (f"step{'s 1-' if warmup > 1 else ' '}{warmup} of each launch excluded as warm-up" if warmup
+                else "no warm-up excluded"),
              "sequential launches, not interleaved: machine load between launches moves the figure; "
              "a short look, not a benchmark",
              "per step (ms): " + "; ".join(f"{label} {', '.join(f'{t:.1f}' for t in times)}"
