@@ -8,6 +8,7 @@ import os
 import sys
 
 from megatron_bitdet.cli.train_cmd import add_run_args, load_run_recipe
+from megatron_bitdet.cli.verify_resume_cmd import add_megatron_lm_args, launch_line_after_dashes
 
 EXAMPLES = """examples:
   bitdet prove --recipe nemotron_h_tiny --out runs/demo          # what `make demo` runs
@@ -25,12 +26,8 @@ def register(subparsers, summary):
     p = subparsers.add_parser("prove", help=summary, description=__doc__, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p, recipe_required=False)
-    p.add_argument("--megatron-lm", metavar="SCRIPT",
-                   help="prove a Megatron-LM launch line: SCRIPT (pretrain_gpt.py / pretrain_mamba.py) with the "
-                        "launch line after --; --recipe, when given, is passed on it as the entry point's --recipe")
-    p.add_argument("--skip-restore", action="append", default=[], metavar="WHAT",
-                   help="with --megatron-lm: the resumed launches skip a restore (rng: Megatron-LM's --no-load-rng, "
-                        "optimizer: --no-load-optim), to see a broken resume reported")
+    add_megatron_lm_args(p, "prove a Megatron-LM launch line (--recipe, when given, is passed on it as the entry "
+                            "point's --recipe)")
     p.add_argument("--out", default="runs/prove", metavar="DIR", help="output directory (default runs/prove)")
     p.add_argument("--resume-at", metavar="K1,K2",
                    help="iterations to stop and restore at (default: iterations/3 and 2*iterations/3)")
@@ -46,7 +43,6 @@ def _runs(args):
     from megatron_bitdet.errors import BitdetInputError
 
     if args.megatron_lm:
-        from megatron_bitdet.cli.verify_resume_cmd import launch_line_after_dashes
         from megatron_bitdet.workflows.megatron_prove import MegatronRuns
 
         for flag, given in (("--deterministic-mode", args.deterministic_mode),

@@ -28,12 +28,7 @@ def register(subparsers, summary: str) -> None:
     p = subparsers.add_parser("verify-resume", help=summary, description=__doc__, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p, recipe_required=False)
-    p.add_argument("--megatron-lm", metavar="SCRIPT",
-                   help="verify Megatron-LM's own checkpoints: SCRIPT (pretrain_gpt.py / pretrain_mamba.py) "
-                        "with the launch line after --, e.g. -- --deterministic-mode --train-iters 4 ...")
-    p.add_argument("--skip-restore", action="append", default=[], metavar="WHAT",
-                   help="with --megatron-lm: pass Megatron-LM's own --no-load-rng (rng) or --no-load-optim "
-                        "(optimizer) to every resumed segment, i.e. a restore deliberately skipped")
+    add_megatron_lm_args(p, "verify Megatron-LM's own checkpoints")
     p.add_argument("--resume-at", required=True, metavar="K1,K2,...",
                    help="iterations to stop and restore at: strictly increasing, each in 1..iterations-1")
     p.add_argument("--out", metavar="DIR", help="where the runs go (default runs/verify_resume/<recipe name>)")
@@ -75,6 +70,16 @@ def run(args) -> int:
         model_provider=args.model_provider, faults=args.fault_skip_restore, reference_dir=args.reference,
     )
     return _print_report(report, args)
+
+
+def add_megatron_lm_args(p, purpose: str) -> None:
+    """``--megatron-lm SCRIPT`` (the launch line after ``--``) and ``--skip-restore`` (verify-resume, prove)."""
+    p.add_argument("--megatron-lm", metavar="SCRIPT",
+                   help=f"{purpose}: SCRIPT (pretrain_gpt.py / pretrain_mamba.py) with the launch line after --, "
+                        "e.g. -- --deterministic-mode --train-iters 4 ...")
+    p.add_argument("--skip-restore", action="append", default=[], metavar="WHAT",
+                   help="with --megatron-lm: pass Megatron-LM's own --no-load-rng (rng) or --no-load-optim "
+                        "(optimizer) to every resumed segment, i.e. a restore deliberately skipped")
 
 
 def launch_line_after_dashes(args) -> list:
