@@ -102,7 +102,7 @@ def launch_tax(deterministic: dict, baseline, *, nproc: int, iterations: int, wa
 class MegatronRuns:
     """How prove launches runs of a Megatron-LM launch line (``workflows.prove.RecipeRuns``' members)."""
 
-    tax_hint = "a short look: sequential launches of the same line, not interleaved"
+    tax_hint = "a short look, not a benchmark (`bitdet tax` measures bitdet's own loop, interleaved)"
 
     def __init__(self, script: str, line: list, *, nproc: int, recipe: str | None = None, skip_restore=()):
         from megatron_bitdet.megatron_lm.entry import split_argv
