@@ -272,6 +272,9 @@ def test_prove_refuses_a_launch_line_it_cannot_prove_before_any_rank_starts(tmp_
     assert bitdet([*base, "--", *line]) == 2
     assert "no --deterministic-mode" in capsys.readouterr().err
     assert bitdet([*base, "--recipe", "nemotron_h_tiny", "--", *MAMBA, "--recipe", "r.yaml"]) == 2
+    capsys.readouterr()
+    assert bitdet([*base, "--recipe", str(tmp_path / "missing.yaml"), "--", *MAMBA]) == 2  # passed on the line
+    assert "missing.yaml" in capsys.readouterr().err
     assert bitdet([*base, "--resume-at", "3", "--", *MAMBA]) == 2  # --train-iters 3: nothing after 3
     assert bitdet([*base, "--", *MAMBA, "--save", "x"]) == 2  # prove owns the checkpoint flags
     assert not any(tmp_path.iterdir())

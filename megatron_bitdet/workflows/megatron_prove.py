@@ -105,7 +105,7 @@ class MegatronRuns:
     tax_hint = "a short look, not a benchmark (`bitdet tax` measures bitdet's own loop, interleaved)"
 
     def __init__(self, script: str, line: list, *, nproc: int, recipe: str | None = None, skip_restore=()):
-        from megatron_bitdet.megatron_lm.entry import split_argv
+        from megatron_bitdet.megatron_lm.entry import load_base_recipe, split_argv
         from megatron_bitdet.megatron_lm.options import preparse
         from megatron_bitdet.workflows.megatron_resume import skipped_restore_flags, train_iters
 
@@ -118,7 +118,7 @@ class MegatronRuns:
             raise BitdetInputError(f"the launch line has no {MODE_FLAG}: prove demonstrates a deterministic run")
         self.fault_flags = skipped_restore_flags(skip_restore)
         split_argv([script])  # the script exists
-        preparse(line)  # bitdet's own options on the line are usable
+        load_base_recipe(preparse(line))  # bitdet's own options on the line (and its recipe) are usable
         self.script, self.line, self.nproc, self.skip_restore = script, line, nproc, list(skip_restore)
         self.iterations = train_iters(line)
 
