@@ -14,7 +14,8 @@ EXAMPLES = """examples:
 for kernels that are not installed here are judged, not imported. bitdet's own options may appear
 among the Megatron args: --recipe, --bitdet-override, --run-dir, --snapshot-at (--trace is refused:
 tracing and localize drive `bitdet train` runs).
-run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, logs/rank_XXXXX.log (as for `bitdet train`)"""
+run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, logs/rank_XXXXX.log (as for `bitdet train`),
+timings/rank_XXXXX.jsonl (each train_step's wall time: the tax of `bitdet prove --megatron-lm`)"""
 
 
 def register(subparsers, summary):

@@ -8,7 +8,8 @@
 - ``build_train_valid_test_data_iterators``: creating the DataLoader iterator draws a seed from the CPU
   generator, which on CPU is also the generator dropout draws from; it draws on a saved-and-restored
   state here, so a resumed run's dropout stream equals the uninterrupted run's.
-- ``train_step``: one fingerprint line per step on every rank (the writer ``bitdet train`` uses).
+- ``train_step``: one fingerprint line per step on every rank (the writer ``bitdet train`` uses), and
+  the step's wall time in a file of its own (``timings``: the tax of a launch line).
 - checkpoint load: megatron-core 0.16.1's distributed optimizer with torch's Adam (the same two step
   bugs ``bitdet train`` works around).
 """
@@ -48,6 +49,7 @@ class Session:
     grads_digest: str | None = None
     lr: float | None = None
     model: list | None = None
+    clock: object = None
 
     @property
     def snapshot_at(self) -> frozenset:
@@ -59,10 +61,22 @@ class Session:
 
         return Path(self.opts.run_dir or DEFAULT_RUN_DIR)
 
+    def step_clock(self):
+        """The step timer, made on first use (inside ``train_step``: the process group exists)."""
+        if self.clock is None:
+            import torch
+
+            from megatron_bitdet.megatron_lm.timings import StepClock
+
+            self.clock = StepClock(self.run_dir, torch.distributed.get_rank())
+        return self.clock
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.clock is not None:
+            self.clock.close()
 
 
 def _chain(user_provider):
@@ -81,7 +95,8 @@ def derive_recipe(session, args):
     from megatron_bitdet.megatron_lm.args import recipe_from_args
 
     data = "mock" if getattr(args, "mock_data", False) else " ".join(map(str, getattr(args, "data_path", None) or [])) or None
-    return recipe_from_args(args, session.base, script=os.path.basename(session.script), data=data)
+    return recipe_from_args(args, session.base, script=os.path.basename(session.script), data=data,
+                            deterministic=bool(args.deterministic_mode or session.check))
 
 
 def spec_family(args) -> str:
@@ -190,7 +205,8 @@ def _wrap_optimizer_step(session, optimizer) -> None:
     model = session.model
 
     def step(*a, **kw):
-        session.grads_digest = buffer_digest(model, "grad_data")
+        with session.step_clock().excluded():
+            session.grads_digest = buffer_digest(model, "grad_data")
         session.lr = optimizer.param_groups[0]["lr"]
         return original(*a, **kw)
 
@@ -311,8 +327,10 @@ def install(session: Session) -> None:
         _wrap_optimizer_step(session, optimizer)
         if iteration in session.snapshot_at:
             snapshot(session, iteration, model, optimizer, scheduler)
+        session.step_clock().start()
         result = original_step(forward_step_func, data_iterator, model, optimizer, scheduler, *a,
                                iteration=iteration, **kw)
+        session.clock.stop(iteration + 1)
         on_step_end(session, iteration + 1, result, model)
         return result
 
