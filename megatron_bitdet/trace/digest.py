@@ -44,6 +44,12 @@ def _span(ptr: int, n: int):
     return buf
 
 
+def release_spans() -> None:
+    """Drop the kept byte spans (called when a traced step ends: thousands of ctypes objects would
+    otherwise stay alive, and be walked by every full garbage collection, between traced steps)."""
+    _SPANS.clear()
+
+
 def prefix(t: torch.Tensor) -> str:
     key = (t.dtype, t.shape)
     p = _PREFIXES.get(key)

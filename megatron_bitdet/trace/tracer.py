@@ -13,7 +13,7 @@ import torch
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.trace import collectives, hooks, ops
 from megatron_bitdet.trace.capture import DEFAULT_MAX_BYTES, OpCapture
-from megatron_bitdet.trace.digest import HASHES, digest, resolve, trace_tensors
+from megatron_bitdet.trace.digest import HASHES, digest, release_spans, resolve, trace_tensors
 from megatron_bitdet.trace.format import LEVELS, TraceWriter, event_id, record_line, trace_path
 
 _FLUSH_EVERY = 4096
@@ -113,6 +113,7 @@ class Tracer:
                 yield self
             finally:
                 self.active = False
+                release_spans()
         self.flush()
 
     @contextmanager
