@@ -8,7 +8,9 @@
 - ``build_train_valid_test_data_iterators``: creating the DataLoader iterator draws a seed from the CPU
   generator, which on CPU is also the generator dropout draws from; it draws on a saved-and-restored
   state here, so a resumed run's dropout stream equals the uninterrupted run's.
-- ``train_step``: one fingerprint line per step on every rank (the writer ``bitdet train`` uses).
+- ``train_step``: one fingerprint line per step on every rank (the writer ``bitdet train`` uses); with
+  ``--trace`` the steps in the window are traced as ``bitdet train`` traces them (``train.tracing``: phases
+  forward / backward inside Megatron's forward_backward_func, grad_reduce, optimizer; bookkeeping untraced).
 - checkpoint load: megatron-core 0.16.1's distributed optimizer with torch's Adam (the same two step
   bugs ``bitdet train`` works around).
 """
@@ -48,6 +50,15 @@ class Session:
     grads_digest: str | None = None
     lr: float | None = None
     model: list | None = None
+    tracer: object = None                # this rank's Tracer (--trace), made at the first step
+    traced: object = None                # the tracer while a step inside its window runs, else None
+
+    @property
+    def trace(self):
+        """The launch line's tracing flags as a TraceConfig (None: tracing off)."""
+        from megatron_bitdet.trace.options import trace_settings
+
+        return trace_settings(self.opts)
 
     @property
     def snapshot_at(self) -> frozenset:
@@ -63,6 +74,9 @@ class Session:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.tracer is not None:
+            self.tracer.close()
+            self.tracer = None
 
 
 def _chain(user_provider):
@@ -144,7 +158,8 @@ def _manifest(session, enforcement, args, *, check: bool = False) -> dict:
     return build_manifest(
         session.recipe, enforcement, world_size=args.world_size, argv=session.argv,
         extra={"patches": session.patches, "cpu_backend_seams": cpu_backend.installed() + training_seams.installed(),
-               "megatron_lm": {"script": session.script, "check": check, "spec_family": spec_family(args)}},
+               "megatron_lm": {"script": session.script, "check": check, "spec_family": spec_family(args)},
+               "trace": None if session.trace is None else session.trace.to_json()},
     )
 
 
@@ -181,21 +196,36 @@ def on_validate(session, args) -> None:
 
 
 def _wrap_optimizer_step(session, optimizer) -> None:
-    """Grads are digested right before the optimizer consumes them; lr is the one the step used."""
+    """Grads are digested (untraced) right before the optimizer consumes them; lr is the one the step
+    used; in a traced step the step itself is the ``optimizer`` phase, as in ``bitdet train``."""
     if getattr(optimizer, "_bitdet_wrapped", False):
         return
     from megatron_bitdet.train.step_fingerprints import buffer_digest
+    from megatron_bitdet.train.tracing import traced_optimizer_step, untraced
 
     original = optimizer.step
     model = session.model
 
     def step(*a, **kw):
-        session.grads_digest = buffer_digest(model, "grad_data")
+        with untraced(session.traced):
+            session.grads_digest = buffer_digest(model, "grad_data")
         session.lr = optimizer.param_groups[0]["lr"]
-        return original(*a, **kw)
+        return traced_optimizer_step(session.traced, optimizer, model, lambda: original(*a, **kw))
 
     optimizer.step = step
     optimizer._bitdet_wrapped = True
+
+
+def rank_tracer(session, model):
+    """This rank's Tracer over the chunks Megatron built (``--trace``; None without), made at the first step."""
+    if session.tracer is None and session.trace is not None:
+        import torch
+
+        from megatron_bitdet.train.tracing import make_tracer
+
+        session.tracer = make_tracer(session.trace, session.run_dir, torch.distributed.get_rank(),
+                                     torch.distributed.get_world_size(), model, session.manifest.get("recipe_digest"))
+    return session.tracer
 
 
 def on_step_end(session, step: int, result, model) -> None:
@@ -272,6 +302,8 @@ def install(session: Session) -> None:
     ``--check``, replaces the earlier one's wrappers instead of stacking on them)."""
     from megatron.training import initialize, training
 
+    from megatron_bitdet.train.tracing import traced_step
+
     if not _ORIGINALS:
         _ORIGINALS.update(pretrain=training.pretrain, validate_args=initialize.validate_args,
                           iterators=training.build_train_valid_test_data_iterators, train_step=training.train_step,
@@ -306,13 +338,18 @@ def install(session: Session) -> None:
     original_step = _ORIGINALS["train_step"]
 
     @functools.wraps(original_step)
-    def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, *a, iteration=None, **kw):
+    def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, *a, iteration=None,
+                   **kw):
         session.model = model
         _wrap_optimizer_step(session, optimizer)
         if iteration in session.snapshot_at:
             snapshot(session, iteration, model, optimizer, scheduler)
-        result = original_step(forward_step_func, data_iterator, model, optimizer, scheduler, *a,
-                               iteration=iteration, **kw)
+        with traced_step(rank_tracer(session, model), config, model, iteration + 1) as session.traced:
+            try:
+                result = original_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, *a,
+                                       iteration=iteration, **kw)
+            finally:
+                session.traced = None
         on_step_end(session, iteration + 1, result, model)
         return result
 
