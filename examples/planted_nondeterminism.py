@@ -73,6 +73,17 @@ class SplitKAtomicLinear(torch.nn.Module):
     def __init__(self, linear: torch.nn.Module):
         super().__init__()
         self.weight = linear.weight
+        object.__setattr__(self, "_linear", linear)  # not a submodule: the weight is registered once
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata=None):
+        """Checkpointed as the linear it replaces (same weight Parameter, same keys)."""
+        return self._linear.sharded_state_dict(prefix, sharded_offsets, metadata)
+
+    def get_extra_state(self):
+        return self._linear.get_extra_state()
+
+    def set_extra_state(self, state) -> None:
+        self._linear.set_extra_state(state)
 
     def forward(self, x):
         slices = torch.arange(x.shape[-1]).chunk(SPLITS)

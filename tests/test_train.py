@@ -45,12 +45,16 @@ def assert_trained(run: Run, scope: dict, loss_ranks) -> None:
     assert manifest["scope"]["world_size"] == 2
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_parallel_layout_trains(layout, tmp_path):
+def test_parallel_layout_trains_and_twins_are_byte_identical(layout, tmp_path):
     overrides, scope, loss_ranks = LAYOUTS[layout]
-    run = train(tmp_path, *overrides)
+    run = train(tmp_path / "a", *overrides)
     assert_trained(run, scope, loss_ranks)
+    twin = train(tmp_path / "b", *overrides)
+    assert twin.rc == 0
+    for rank in (0, 1):
+        assert twin.fingerprint_bytes(rank) == run.fingerprint_bytes(rank), f"{layout}: rank {rank} differs"
     if layout == "dp2_distopt":
         assert run.manifest()["recipe"]["parallel"]["distributed_optimizer"] is True
 
