@@ -1,5 +1,4 @@
-"""Model providers (and a layer spec) whose runs diverge, for ``bitdet localize`` to find (run from the
-repository root):
+"""Two model providers whose runs diverge, for ``bitdet localize`` to find (run from the repository root):
 
 ``provider`` plants an emulated atomic add: on global rank 0 the output projection (``linear_fc2``)
 of the first dense MLP layer becomes a split-K GEMM whose partial products are summed by one
@@ -10,10 +9,7 @@ run to run; rank 1 receives the difference through collectives.
     bitdet train --recipe recipes/nemotron_h_tiny.yaml --model-provider examples.planted_nondeterminism:provider \\
         --run-dir runs/a training.iterations=3      # twice, runs/a and runs/b; then bitdet localize runs/a runs/b
 
-``planted_mamba_stack_spec`` is the same planted op for Megatron-LM's own ``pretrain_mamba.py``, reached from
-an unmodified launch line under ``--deterministic-mode``: ``--spec examples.planted_nondeterminism
-planted_mamba_stack_spec`` builds every dense MLP's ``linear_fc2`` as that split-K atomic sum, on every rank
-(README, "Megatron-LM users").
+The same planted op under Megatron-LM's own ``pretrain_mamba.py``: ``examples.planted_megatron_lm``.
 
 ``index_put_provider`` reproduces the real CPU nondeterminism of docs: megatron's deterministic
 embedding path (``weight[ids]``, backward ``index_put_(accumulate=True)``) without torch's
@@ -26,7 +22,6 @@ arrival order (a fused aux-loss kernel with atomics): only the aux loss differs.
 """
 from __future__ import annotations
 
-import copy
 import random
 
 import torch
@@ -89,34 +84,6 @@ class SplitKAtomicLinear(torch.nn.Module):
         slices = torch.arange(x.shape[-1]).chunk(SPLITS)
         partials = torch.stack([x[..., s] @ self.weight[:, s].t() for s in slices])
         return atomic_sum(partials), None
-
-
-class SplitKAtomicRowLinear(SplitKAtomicLinear):
-    """The planted linear as a layer-spec entry: megatron builds it with RowParallelLinear's arguments,
-    and the weight that linear made (initialized as megatron initializes it) is the one kept."""
-
-    def __init__(self, *args, **kwargs):
-        from megatron.core.tensor_parallel import RowParallelLinear
-
-        if kwargs["config"].tensor_model_parallel_size != 1:
-            raise BitdetInputError("examples.planted_nondeterminism:planted_mamba_stack_spec plants a TP1 linear; "
-                                   "use --tensor-model-parallel-size 1")
-        super().__init__(RowParallelLinear(*args, **kwargs))
-
-
-def _planted_mamba_stack_spec():
-    """bitdet's pure-torch Megatron-LM stack spec with every dense MLP's linear_fc2 planted (every rank
-    builds the same spec, so every rank's copy varies)."""
-    from megatron_bitdet.megatron_lm.specs import local_mamba_stack_spec
-
-    spec = copy.deepcopy(local_mamba_stack_spec)
-    spec.submodules.mlp_layer.submodules.mlp.submodules.linear_fc2 = SplitKAtomicRowLinear
-    return spec
-
-
-# Megatron-LM's ``--spec examples.planted_nondeterminism planted_mamba_stack_spec`` (read as a module
-# attribute: megatron imports the module and takes the name from its namespace)
-planted_mamba_stack_spec = _planted_mamba_stack_spec()
 
 
 def provider(recipe, config, *, pre_process: bool = True, post_process: bool = True):

@@ -218,11 +218,16 @@ FC2 = "decoder.layers.2.mlp.linear_fc2"      # M*-E: the dense MLP layer is the 
 
 def planted_pair(root: Path, *extra: str) -> dict:
     """Two launches of the README's line with the planted layer spec, from the repository root (the
-    ranks import ``examples.`` from there, as a user's ranks import their own spec module)."""
+    ranks import ``examples.`` from there, as a user's ranks import their own spec module); side by side,
+    as the ladder re-runs pairs."""
+    from concurrent.futures import ThreadPoolExecutor
+
     cwd = os.getcwd()
     os.chdir(REPO)
     try:
-        return {k: launch(root / k, "pretrain_mamba.py", MAMBA, *PLANT, *extra) for k in ("a", "b")}
+        with ThreadPoolExecutor(2) as pool:
+            futures = {k: pool.submit(launch, root / k, "pretrain_mamba.py", MAMBA, *PLANT, *extra) for k in ("a", "b")}
+            return {k: f.result() for k, f in futures.items()}
     finally:
         os.chdir(cwd)
 
@@ -355,5 +360,5 @@ def test_readme_commands_are_the_ones_tested():
         "$ARGS $PLANT --trace op --trace-steps 1-1")
     assert commands[10] == "bitdet localize runs/mlm_t1 runs/mlm_t2"
     assert commands[11] == "bitdet localize runs/mlm_a runs/mlm_b"
-    assert PLANT == ["--spec", "examples.planted_nondeterminism", "planted_mamba_stack_spec"]
+    assert PLANT == ["--spec", "examples.planted_megatron_lm", "planted_mamba_stack_spec"]
     assert TRACE == ["--trace", "op", "--trace-steps", "1-1"]

@@ -216,6 +216,25 @@ def _wrap_optimizer_step(session, optimizer) -> None:
     optimizer._bitdet_wrapped = True
 
 
+class UntracedBatches:
+    """The training DataLoader's iterator with every ``next()`` outside the trace: with ``--num-workers``
+    the main process rebuilds the batches its worker processes deliver in arrival order (prefetched ones
+    too), so which tensors a traced step rebuilds is timing. The batch itself is in the trace as the
+    inputs of the ops that consume it."""
+
+    def __init__(self, iterable, session):
+        self.iterable, self.session = iterable, session
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from megatron_bitdet.train.tracing import untraced
+
+        with untraced(self.session.traced):
+            return next(self.iterable)
+
+
 def rank_tracer(session, model):
     """This rank's Tracer over the chunks Megatron built (``--trace``; None without), made at the first step."""
     if session.tracer is None and session.trace is not None:
@@ -331,9 +350,13 @@ def install(session: Session) -> None:
 
         state = torch.get_rng_state()
         try:
-            return original_iterators(*a, **kw)
+            train, *rest = original_iterators(*a, **kw)
         finally:
             torch.set_rng_state(state)
+        for it in (train if isinstance(train, list) else [train]) if session.trace is not None else ():
+            if it is not None:
+                it.iterable = UntracedBatches(it.iterable, session)
+        return (train, *rest)
 
     original_step = _ORIGINALS["train_step"]
 
