@@ -10,6 +10,7 @@
       replay/<name>/                    `bitdet replay`'s runs, each a run directory + replay.json
       captures/rank_XXXXX.capture.pt    one op occurrence's inputs, the kernel rung (format: trace.capture)
       logs/rank_XXXXX.log               every rank's stdout + stderr
+      timings/rank_XXXXX.jsonl          Megatron-LM runs: wall time of each step (format: megatron_lm.timings)
 
 Fingerprints and traces are appended to, so a run that must stand alone starts from a fresh
 directory (``fresh``); workflows that re-run into their own directories always do.
@@ -69,6 +70,10 @@ def replay_dir(run_dir, name: str) -> Path:
     return Path(run_dir) / "replay" / name
 def capture_path(run_dir, rank: int) -> Path:
     return Path(run_dir) / "captures" / f"rank_{rank:05d}.capture.pt"
+
+
+def timings_path(run_dir, rank: int) -> Path:
+    return Path(run_dir) / "timings" / f"rank_{rank:05d}.jsonl"
 
 
 def logs_dir(run_dir) -> Path:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 from pathlib import Path
 
@@ -342,23 +343,98 @@ def test_a_rerun_line_drops_the_originals_outputs_and_adds_the_window():
     assert out[len(MAMBA):len(MAMBA) + 2] == ["--exit-interval", "2"]
     assert trace_settings(preparse(out)) == trace  # the flags read back as the same window and capture
     assert not {"--save", "--save-interval=2", "--run-dir", "--snapshot-at", "--tensorboard-dir"} & set(out)
+
+
+def readme_command(prefix: str, out: Path, *extra: str) -> list[str]:
+    """The README command starting with ``prefix`` as argv, exactly as written: $MEGATRON_LM_PATH and
+    $ARGS expanded, its --out pointed at ``out``, ``extra`` options put before the launch line's --."""
+    words = shlex.split(next(line for line in README if line.startswith(prefix)).split("#")[0])
+    words = [w.replace("$MEGATRON_LM_PATH", MEGATRON_LM) for w in words]
+    words[words.index("--out") + 1] = str(out)
+    dashes = words.index("--")
+    assert words[dashes + 1:] == ["$ARGS"]
+    return [*words[1:dashes], *extra, "--", *MAMBA]
+
+
+def verdict_rows(html: str) -> list[tuple[str, str]]:
+    return re.findall(r"<tr class='verdict (holds|broken)'><td>([^<]*)</td><td class='status'>[^<]*</td>"
+                      r"<td>([^<]*)</td>", html)
+
+
+def test_prove_on_a_megatron_lm_launch_line_holds_prints_the_verdicts_and_writes_the_report(tmp_path, capsys):
+    """The README's prove: run A (snapshots at 2), run B, the resume chain 0->2->3 against A, A vs B,
+    the tax against one launch without --deterministic-mode, report.html."""
+    capsys.readouterr()
+    rc = bitdet(readme_command("bitdet prove", tmp_path, "--json"))
+    out = capsys.readouterr().out
+    assert rc == 0, out[-3000:]
+    assert "bitdet prove: verdicts" in out and "every guarantee holds" in out
+    rows = verdict_rows((tmp_path / "report.html").read_text())
+    assert [(state, guarantee.split(" (")[0]) for state, guarantee, _ in rows] == [
+        ("holds", "independent reproducibility"), ("holds", "bitwise checkpoint resume")]
+    assert rows[0][2].startswith("3 steps × 2 ranks × 6 metrics + 2 digests: bit-identical")
+    for rank in (0, 1):
+        a = (tmp_path / "run_a" / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+        assert a == (tmp_path / "run_b" / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+    payload = json.loads((tmp_path / "prove.json").read_text())
+    assert payload["resume"]["resume_at"] == [2]
+    assert [p["steps_compared"] for p in payload["resume"]["points"]] == [[1, 2], [3]]
+    assert {c["rank"] for c in payload["resume"]["checks"]} == {0, 1}
+    tax = payload["tax"]
+    assert tax["steps"] == [2, 3] and set(tax["deterministic_ms"]) == {"run A", "run B"}
+    assert all(len(v) == 2 and min(v) > 0 for v in [*tax["deterministic_ms"].values(), tax["baseline_ms"]])
+    baseline = json.loads((tmp_path / "tax" / "baseline" / "manifest.json").read_text())
+    assert baseline["scope"]["deterministic_mode"] is False and "--deterministic-mode" not in baseline["argv"]
+    html = (tmp_path / "report.html").read_text()
+    assert "Determinism tax" in html and "sequential launches, not interleaved" in html
+
+
+def test_prove_on_a_megatron_lm_launch_line_reports_a_skipped_restore_as_broken(tmp_path, capsys):
+    capsys.readouterr()
+    rc = bitdet(readme_command("bitdet prove", tmp_path, "--no-tax", "--skip-restore", "rng"))
+    out = capsys.readouterr().out
+    assert rc == 1, out[-3000:]
+    assert "a guarantee is BROKEN" in out
+    html = (tmp_path / "report.html").read_text()
+    rows = verdict_rows(html)
+    assert [state for state, _, _ in rows] == ["holds", "broken"]
+    assert "rng.torch_cpu" in rows[1][2] and "outputs first differ at step 3" in rows[1][2]
+    assert "1 of 2 guarantees BROKEN" in html and "--no-load-rng" in html
+
+
+def test_prove_refuses_a_launch_line_it_cannot_prove_before_any_rank_starts(tmp_path, capsys):
+    line = [a for a in MAMBA if a != "--deterministic-mode"]
+    base = ["prove", "--megatron-lm", script("pretrain_mamba.py"), "--out", str(tmp_path)]
+    assert bitdet([*base, "--", *line]) == 2
+    assert "no --deterministic-mode" in capsys.readouterr().err
+    assert bitdet([*base, "--recipe", "nemotron_h_tiny", "--", *MAMBA, "--recipe", "r.yaml"]) == 2
+    capsys.readouterr()
+    assert bitdet([*base, "--recipe", str(tmp_path / "missing.yaml"), "--", *MAMBA]) == 2  # passed on the line
+    assert "missing.yaml" in capsys.readouterr().err
+    assert bitdet([*base, "--resume-at", "3", "--", *MAMBA]) == 2  # --train-iters 3: nothing after 3
+    assert bitdet([*base, "--", *MAMBA, "--save", "x"]) == 2  # prove owns the checkpoint flags
+    assert not any(tmp_path.iterdir())
+
+
 def test_readme_commands_are_the_ones_tested():
     """Each README command is one this file runs (same subcommand, options and $ARGS; paths aside)."""
     commands = [line.split("#")[0].strip() for line in README if line.startswith("bitdet ")]
     assert [c.split()[:2] for c in commands] == [
         ["bitdet", "megatron-lm"], ["bitdet", "megatron-lm"], ["bitdet", "compare"], ["bitdet", "verify-resume"],
-        ["bitdet", "megatron-lm"], ["bitdet", "megatron-lm"], ["bitdet", "megatron-lm"], ["bitdet", "localize"],
-        ["bitdet", "megatron-lm"], ["bitdet", "megatron-lm"], ["bitdet", "localize"], ["bitdet", "localize"]]
+        ["bitdet", "megatron-lm"], ["bitdet", "prove"], ["bitdet", "megatron-lm"], ["bitdet", "megatron-lm"],
+        ["bitdet", "localize"], ["bitdet", "megatron-lm"], ["bitdet", "megatron-lm"], ["bitdet", "localize"],
+        ["bitdet", "localize"]]
     assert commands[0].endswith("$ARGS --snapshot-at 2") and commands[1].endswith("pretrain_mamba.py $ARGS")
     assert "--resume-at 2 --reference runs/mlm_a" in commands[3] and commands[3].endswith("-- $ARGS")
     assert "--seed" in MAMBA and "--deterministic-mode" in MAMBA and "M*-E" in MAMBA
+    assert commands[5].startswith("bitdet prove --megatron-lm") and commands[5].endswith("-- $ARGS")
     # localize: planted fingerprint-only runs through the ladder (op rung + kernel rung), planted traced runs
     # directly, the clean twins (tests below)
-    assert commands[5].endswith("pretrain_mamba.py $ARGS $PLANT") and commands[6].endswith("pretrain_mamba.py $ARGS $PLANT")
-    assert commands[7] == "bitdet localize runs/mlm_p1 runs/mlm_p2 --levels op"
-    assert commands[8].endswith("$ARGS $PLANT --trace op --trace-steps 1-1") and commands[9].endswith(
+    assert commands[6].endswith("pretrain_mamba.py $ARGS $PLANT") and commands[7].endswith("pretrain_mamba.py $ARGS $PLANT")
+    assert commands[8] == "bitdet localize runs/mlm_p1 runs/mlm_p2 --levels op"
+    assert commands[9].endswith("$ARGS $PLANT --trace op --trace-steps 1-1") and commands[10].endswith(
         "$ARGS $PLANT --trace op --trace-steps 1-1")
-    assert commands[10] == "bitdet localize runs/mlm_t1 runs/mlm_t2"
-    assert commands[11] == "bitdet localize runs/mlm_a runs/mlm_b"
+    assert commands[11] == "bitdet localize runs/mlm_t1 runs/mlm_t2"
+    assert commands[12] == "bitdet localize runs/mlm_a runs/mlm_b"
     assert PLANT == ["--spec", "examples.planted_megatron_lm", "planted_mamba_stack_spec"]
     assert TRACE == ["--trace", "op", "--trace-steps", "1-1"]

@@ -58,3 +58,34 @@ def test_prove_bad_input_exits_2(tmp_path):
     assert main(["prove", "--recipe", RECIPE, "--out", str(tmp_path), "--resume-at", "9", *SHORT]) == 2
     assert main(["prove", "--recipe", RECIPE, "--out", str(tmp_path), "--resume-at", "x"]) == 2
     assert main(["prove", "--recipe", str(tmp_path / "missing.yaml"), "--out", str(tmp_path)]) == 2
+
+
+def test_step_timings_reader_takes_what_the_clock_writes_and_names_every_defect(tmp_path):
+    """The Megatron-LM tax reads RUN_DIR/timings/: whole lines of every rank, or a refusal naming file:line."""
+    from megatron_bitdet.errors import BitdetInputError
+    from megatron_bitdet.megatron_lm.timings import StepClock, read_step_times
+    from megatron_bitdet.rundir import timings_path
+
+    for rank in (0, 1):
+        clock = StepClock(tmp_path, rank)
+        for step in (1, 2):
+            clock.start()
+            with clock.excluded():
+                pass
+            clock.stop(step)
+        clock.close()
+    times = read_step_times(tmp_path, 2)
+    assert sorted(times) == [0, 1] and all(sorted(t) == [1, 2] and min(t.values()) >= 0 for t in times.values())
+    path = timings_path(tmp_path, 1)
+    good = path.read_bytes()
+    bad = {b'{"v": 1, "step": 3, "rank": 0, "seconds": 0.1}\n': ":3: not a step timing of rank 1",
+           b'{"v": 1, "step": 2, "rank": 1, "seconds": 0.1}\n': ":3: step 2 timed twice",
+           b'\xff\xfe\n': ":3: not a JSON line",
+           b'{"v": 1, "step": 3': ":3: truncated line"}
+    for tail, message in bad.items():
+        path.write_bytes(good + tail)
+        with pytest.raises(BitdetInputError, match=re.escape(f"{path}{message}")):
+            read_step_times(tmp_path, 2)
+    path.unlink()
+    with pytest.raises(BitdetInputError, match="no step timings for rank 1"):
+        read_step_times(tmp_path, 2)

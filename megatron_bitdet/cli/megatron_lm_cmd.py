@@ -18,8 +18,9 @@ among the Megatron args: --recipe, --bitdet-override, --run-dir, --snapshot-at, 
 tracing flags (--trace LEVEL --trace-steps A-B --trace-ranks LIST --trace-hash H --trace-capture R:EVENT).
 `bitdet localize` compares two traced runs, or re-launches two fingerprint-only runs from their manifests
 traced (the ladder; run it where the runs were launched).
-run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, logs/rank_XXXXX.log, traces/rank_XXXXX.trace.jsonl
-(with --trace), as for `bitdet train`"""
+run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, logs/rank_XXXXX.log (as for `bitdet train`),
+timings/rank_XXXXX.jsonl (each train_step's wall time: the tax of `bitdet prove --megatron-lm`),
+traces/rank_XXXXX.trace.jsonl (with --trace)"""
 
 
 def register(subparsers, summary):

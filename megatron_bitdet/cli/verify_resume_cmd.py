@@ -28,12 +28,7 @@ def register(subparsers, summary: str) -> None:
     p = subparsers.add_parser("verify-resume", help=summary, description=__doc__, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
     add_run_args(p, recipe_required=False)
-    p.add_argument("--megatron-lm", metavar="SCRIPT",
-                   help="verify Megatron-LM's own checkpoints: SCRIPT (pretrain_gpt.py / pretrain_mamba.py) "
-                        "with the launch line after --, e.g. -- --deterministic-mode --train-iters 4 ...")
-    p.add_argument("--skip-restore", action="append", default=[], metavar="WHAT",
-                   help="with --megatron-lm: pass Megatron-LM's own --no-load-rng (rng) or --no-load-optim "
-                        "(optimizer) to every resumed segment, i.e. a restore deliberately skipped")
+    add_megatron_lm_args(p, "verify Megatron-LM's own checkpoints")
     p.add_argument("--resume-at", required=True, metavar="K1,K2,...",
                    help="iterations to stop and restore at: strictly increasing, each in 1..iterations-1")
     p.add_argument("--out", metavar="DIR", help="where the runs go (default runs/verify_resume/<recipe name>)")
@@ -55,9 +50,9 @@ def run(args) -> int:
     if args.megatron_lm:
         from megatron_bitdet.workflows.megatron_resume import verify_megatron_resume
 
-        line = args.overrides[1:] if args.overrides[:1] == ["--"] else list(args.overrides)
         report = verify_megatron_resume(
-            args.megatron_lm, line, parse_resume_at(args.resume_at), nproc=args.nproc, skip_restore=args.skip_restore,
+            args.megatron_lm, launch_line_after_dashes(args), parse_resume_at(args.resume_at), nproc=args.nproc,
+            skip_restore=args.skip_restore,
             reference_dir=args.reference,
             out_dir=args.out or os.path.join("runs", "verify_resume", os.path.basename(args.megatron_lm)))
         return _print_report(report, args)
@@ -75,6 +70,21 @@ def run(args) -> int:
         model_provider=args.model_provider, faults=args.fault_skip_restore, reference_dir=args.reference,
     )
     return _print_report(report, args)
+
+
+def add_megatron_lm_args(p, purpose: str) -> None:
+    """``--megatron-lm SCRIPT`` (the launch line after ``--``) and ``--skip-restore`` (verify-resume, prove)."""
+    p.add_argument("--megatron-lm", metavar="SCRIPT",
+                   help=f"{purpose}: SCRIPT (pretrain_gpt.py / pretrain_mamba.py) with the launch line after --, "
+                        "e.g. -- --deterministic-mode --train-iters 4 ...")
+    p.add_argument("--skip-restore", action="append", default=[], metavar="WHAT",
+                   help="with --megatron-lm: pass Megatron-LM's own --no-load-rng (rng) or --no-load-optim "
+                        "(optimizer) to every resumed segment, i.e. a restore deliberately skipped")
+
+
+def launch_line_after_dashes(args) -> list:
+    """The Megatron-LM launch line given after ``--`` (argparse leaves it among the positionals)."""
+    return args.overrides[1:] if args.overrides[:1] == ["--"] else list(args.overrides)
 
 
 def _print_report(report, args) -> int:

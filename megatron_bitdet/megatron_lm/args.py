@@ -208,9 +208,12 @@ def _same(a, b) -> bool:
     return a == b
 
 
-def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str | None = None):
+def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str | None = None,
+                     deterministic: bool = True):
     """The bitdet recipe of a Megatron-LM run: sections from the args, ``determinism`` from ``base``.
-    Raises BitdetInputError naming both sides where ``base`` sets a key the args set differently."""
+    Raises BitdetInputError naming both sides where ``base`` sets a key the args set differently.
+    ``deterministic=False``: the run enforces nothing (no ``--deterministic-mode``), and its recipe
+    says so (``determinism.mode: false``), so the manifest's scope does not claim otherwise."""
     from megatron_bitdet.recipe import Recipe, RecipeError
 
     derived = derived_dict(args)
@@ -236,6 +239,8 @@ def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str 
     tree = {"name": base.name if base is not None else f"megatron-lm:{script}", **derived}
     tree["data"] = {"corpus": data or "megatron-lm data args"}
     tree["determinism"] = base.to_dict()["determinism"] if base is not None else {}
+    if not deterministic:
+        tree["determinism"]["mode"] = False
     locations = {k: v for k, v in (base._locations.items() if base is not None else ())
                  if k and k[0] == "determinism"}
     try:

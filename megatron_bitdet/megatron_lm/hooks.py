@@ -8,9 +8,10 @@
 - ``build_train_valid_test_data_iterators``: creating the DataLoader iterator draws a seed from the CPU
   generator, which on CPU is also the generator dropout draws from; it draws on a saved-and-restored
   state here, so a resumed run's dropout stream equals the uninterrupted run's.
-- ``train_step``: one fingerprint line per step on every rank (the writer ``bitdet train`` uses); with
-  ``--trace`` the steps in the window are traced as ``bitdet train`` traces them (``train.tracing``: phases
-  forward / backward inside Megatron's forward_backward_func, grad_reduce, optimizer; bookkeeping untraced).
+- ``train_step``: one fingerprint line per step on every rank (the writer ``bitdet train`` uses), and
+  the step's wall time in a file of its own (``timings``: the tax of a launch line); with ``--trace`` the
+  steps in the window are traced as ``bitdet train`` traces them (``train.tracing``: phases forward /
+  backward inside Megatron's forward_backward_func, grad_reduce, optimizer; bookkeeping untraced).
 - checkpoint load: megatron-core 0.16.1's distributed optimizer with torch's Adam (the same two step
   bugs ``bitdet train`` works around).
 """
@@ -50,6 +51,7 @@ class Session:
     grads_digest: str | None = None
     lr: float | None = None
     model: list | None = None
+    clock: object = None
     tracer: object = None                # this rank's Tracer (--trace), made at the first step
     traced: object = None                # the tracer while a step inside its window runs, else None
 
@@ -70,10 +72,22 @@ class Session:
 
         return Path(self.opts.run_dir or DEFAULT_RUN_DIR)
 
+    def step_clock(self):
+        """The step timer, made on first use (inside ``train_step``: the process group exists)."""
+        if self.clock is None:
+            import torch
+
+            from megatron_bitdet.megatron_lm.timings import StepClock
+
+            self.clock = StepClock(self.run_dir, torch.distributed.get_rank())
+        return self.clock
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
             self.writer = None
+        if self.clock is not None:
+            self.clock.close()
         if self.tracer is not None:
             self.tracer.close()
             self.tracer = None
@@ -95,7 +109,8 @@ def derive_recipe(session, args):
     from megatron_bitdet.megatron_lm.args import recipe_from_args
 
     data = "mock" if getattr(args, "mock_data", False) else " ".join(map(str, getattr(args, "data_path", None) or [])) or None
-    return recipe_from_args(args, session.base, script=os.path.basename(session.script), data=data)
+    return recipe_from_args(args, session.base, script=os.path.basename(session.script), data=data,
+                            deterministic=bool(args.deterministic_mode or session.check))
 
 
 def spec_family(args) -> str:
@@ -207,7 +222,7 @@ def _wrap_optimizer_step(session, optimizer) -> None:
     model = session.model
 
     def step(*a, **kw):
-        with untraced(session.traced):
+        with session.step_clock().excluded(), untraced(session.traced):
             session.grads_digest = buffer_digest(model, "grad_data")
         session.lr = optimizer.param_groups[0]["lr"]
         return traced_optimizer_step(session.traced, optimizer, model, lambda: original(*a, **kw))
@@ -369,8 +384,10 @@ def install(session: Session) -> None:
             snapshot(session, iteration, model, optimizer, scheduler)
         with traced_step(rank_tracer(session, model), config, model, iteration + 1) as session.traced:
             try:
+                session.step_clock().start()
                 result = original_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, *a,
                                        iteration=iteration, **kw)
+                session.clock.stop(iteration + 1)
             finally:
                 session.traced = None
         on_step_end(session, iteration + 1, result, model)

@@ -28,6 +28,14 @@ def train_iters(megatron_args: list) -> int:
         raise BitdetInputError("the launch line needs --train-iters N (verify-resume chains segments to N)") from None
 
 
+def skipped_restore_flags(skip_restore) -> list[str]:
+    """Megatron-LM's own flags for the restores to skip (``rng``, ``optimizer``); refuses others."""
+    unknown = [s for s in skip_restore if s not in SKIPPABLE]
+    if unknown:
+        raise BitdetInputError(f"unknown restore to skip {unknown}; known: {', '.join(SKIPPABLE)}")
+    return [SKIPPABLE[s] for s in skip_restore]
+
+
 def _check_reference(reference: Path, steps: list[int], nproc: int) -> None:
     from megatron_bitdet.train.snapshot import snapshot_path
 
@@ -45,13 +53,11 @@ def verify_megatron_resume(script: str, megatron_args: list, resume_at, *, nproc
 
     iterations = train_iters(megatron_args)
     steps = check_resume_at(resume_at, iterations)
-    unknown = [s for s in skip_restore if s not in SKIPPABLE]
-    if unknown:
-        raise BitdetInputError(f"unknown restore to skip {unknown}; known: {', '.join(SKIPPABLE)}")
-    faults = [SKIPPABLE[s] for s in skip_restore]
+    faults = skipped_restore_flags(skip_restore)
     out_dir = Path(out_dir)
     if reference_dir is None:
         reference = out_dir / "reference"
+        shutil.rmtree(reference, ignore_errors=True)  # fingerprints append: a stale reference would mix in
         launch_or_fail(script, [*megatron_args, "--snapshot-at", ",".join(map(str, steps))], nproc=nproc,
                        run_dir=reference, what="reference run")
     else:

@@ -1,8 +1,10 @@
 """`bitdet prove`: both guarantees, demonstrated on this machine, plus what they cost.
 
 Stages: run A (the uninterrupted reference: it also snapshots its live state after every resume
-point), an independent run B, the resumed chain (``verify_resume`` against A: stop, restore, compare
-state and the outputs that follow), the comparison A vs B, the determinism tax, the report.
+point), an independent run B, the resumed chain (against A: stop, restore, compare state and the
+outputs that follow), the comparison A vs B, the determinism tax, the report. One pipeline for every
+kind of run: what launches them is an object (``RecipeRuns`` for a bitdet recipe; Megatron-LM's
+launch lines in ``megatron_prove``).
 """
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ RESUME = "bitwise checkpoint resume (restored state and every later step vs run 
 
 @dataclass(frozen=True)
 class ProveConfig:
-    """The tax in prove is a short look (the full measurement is ``bitdet tax``)."""
+    """The tax in prove is a short look (the full measurement is ``bitdet tax``). ``tax_warmup``: the
+    first rounds (bitdet's loop) or the first steps of every launch (Megatron-LM) left untimed."""
 
     tax: bool = True
     tax_rounds: int = 4
@@ -32,10 +35,12 @@ class ProveResult:
     verdicts: list
     compare: object  # CompareResult, A vs B
     resume: object  # ResumeReport
-    tax: object = None  # TaxResult | None
+    tax: object = None  # TaxResult, megatron_prove.LaunchTax or None
     tax_error: str | None = None
     report_path: str = ""
     stage_seconds: dict = field(default_factory=dict)
+    tax_hint: str = ""  # how far the tax figure goes (the runs' own words)
+    runs: str = ""  # what was proven, in words
 
     @property
     def holds(self) -> bool:
@@ -93,48 +98,77 @@ class _Stages:
         return value
 
 
-def prove(recipe, *, nproc: int, out_dir, resume_at=None, tax: bool = True, model_provider=None,
-          config: ProveConfig | None = None, console=None) -> ProveResult:
-    """Run every stage under ``out_dir`` and write ``out_dir/report.html``."""
+class RecipeRuns:
+    """How prove launches runs of a bitdet recipe (bitdet's own loop, ``train.run``). Any object with
+    these members can be proven (``workflows.megatron_prove.MegatronRuns``: a Megatron-LM launch line)."""
+
+    tax_hint = "a short look: `bitdet tax` / benchmarks/bench_tax.py measure longer"
+
+    def __init__(self, recipe, *, nproc: int, model_provider: str | None = None):
+        from megatron_bitdet.train.run import check_layout
+
+        check_layout(recipe, nproc)
+        self.recipe, self.nproc, self.model_provider = recipe, nproc, model_provider
+        self.iterations = recipe.training.iterations
+
+    def describe(self) -> str:
+        return (f"recipe {self.recipe.name} ({self.recipe.source}) on {self.nproc} ranks, "
+                f"bitdet's training loop" + (f", model provider {self.model_provider}" if self.model_provider else ""))
+
+    def reference(self, run_dir: Path, steps: list[int]) -> None:
+        from megatron_bitdet.workflows.resume import run_reference
+
+        run_reference(self.recipe, steps, nproc=self.nproc, run_dir=run_dir, model_provider=self.model_provider)
+
+    def independent(self, run_dir: Path) -> None:
+        from megatron_bitdet.errors import BitdetError
+        from megatron_bitdet.rundir import logs_dir
+        from megatron_bitdet.train.run import RunOptions, launch_training
+
+        if launch_training(self.recipe, RunOptions(nproc=self.nproc, run_dir=run_dir, save_interval=0,
+                                                   model_provider=self.model_provider, fresh=True)):
+            raise BitdetError(f"run B failed; logs: {logs_dir(run_dir)}")
+
+    def resume_chain(self, steps: list[int], out_dir: Path, reference_dir: Path):
+        from megatron_bitdet.workflows.resume import verify_resume
+
+        return verify_resume(self.recipe, steps, nproc=self.nproc, out_dir=out_dir,
+                             model_provider=self.model_provider, reference_dir=reference_dir)
+
+    def tax(self, out_dir: Path, config: ProveConfig, run_a: Path, run_b: Path):
+        from megatron_bitdet.workflows.tax import measure_tax
+
+        return measure_tax(self.recipe, nproc=self.nproc, rounds=config.tax_rounds, warmup=config.tax_warmup,
+                           out_dir=out_dir, profile_steps=config.tax_profile_steps, model_provider=self.model_provider)
+
+
+def prove(runs, *, out_dir, resume_at=None, config: ProveConfig | None = None, console=None) -> ProveResult:
+    """Run every stage of ``runs`` (:class:`RecipeRuns` or alike) under ``out_dir`` and write
+    ``out_dir/report.html``."""
     from rich.console import Console
 
     from megatron_bitdet.analysis.compare import compare_runs
-    from megatron_bitdet.workflows.resume import check_resume_at, run_reference, verify_resume
     from megatron_bitdet.errors import BitdetError
-    from megatron_bitdet.rundir import logs_dir
-    from megatron_bitdet.train.run import RunOptions, check_layout, launch_training
+    from megatron_bitdet.workflows.resume import check_resume_at
 
-    cfg = config or ProveConfig(tax=tax)
+    cfg = config or ProveConfig()
     console = console or Console()
     out = Path(out_dir)
-    steps = check_resume_at(default_resume_at(recipe.training.iterations) if resume_at is None else resume_at,
-                            recipe.training.iterations)
-    check_layout(recipe, nproc)
+    steps = check_resume_at(default_resume_at(runs.iterations) if resume_at is None else resume_at, runs.iterations)
     names = ["run A (reference)", "run B (independent)", "resumed runs", "comparison", "determinism tax", "report"]
     if not cfg.tax:
         names.remove("determinism tax")
     stages = _Stages(console, names)
     run_a, run_b = out / "run_a", out / "run_b"
-    stages.run(names[0], lambda: run_reference(recipe, steps, nproc=nproc, run_dir=run_a,
-                                               model_provider=model_provider))
-
-    def _run_b():
-        if launch_training(recipe, RunOptions(nproc=nproc, run_dir=run_b, save_interval=0,
-                                              model_provider=model_provider, fresh=True)):
-            raise BitdetError(f"run B failed; logs: {logs_dir(run_b)}")
-    stages.run(names[1], _run_b)
-    resume = stages.run(names[2], lambda: verify_resume(recipe, steps, nproc=nproc, out_dir=out / "resume",
-                                                        model_provider=model_provider, reference_dir=run_a))
+    stages.run(names[0], lambda: runs.reference(run_a, steps))
+    stages.run(names[1], lambda: runs.independent(run_b))
+    resume = stages.run(names[2], lambda: runs.resume_chain(steps, out / "resume", run_a))
     ab = stages.run(names[3], lambda: compare_runs(run_a, run_b))
     verdicts = [reproducibility_verdict(ab), resume_verdict(resume)]
-    result = ProveResult(str(out), verdicts, ab, resume)
+    result = ProveResult(str(out), verdicts, ab, resume, tax_hint=runs.tax_hint, runs=runs.describe())
     if cfg.tax:
-        from megatron_bitdet.workflows.tax import measure_tax
-
         try:
-            result.tax = stages.run(names[4], lambda: measure_tax(
-                recipe, nproc=nproc, rounds=cfg.tax_rounds, warmup=cfg.tax_warmup, out_dir=out / "tax",
-                profile_steps=cfg.tax_profile_steps, model_provider=model_provider))
+            result.tax = stages.run(names[4], lambda: runs.tax(out / "tax", cfg, run_a, run_b))
         except BitdetError as exc:  # the tax is a figure, not a guarantee: report it, keep the verdicts
             result.tax_error = str(exc)
     result.report_path = str(stages.run(names[-1], lambda: _render(result, run_a, run_b)))
@@ -152,7 +186,7 @@ def _render(result: ProveResult, run_a: Path, run_b: Path) -> Path:
     compares = {"run A vs run B": result.compare}
     compares.update({f"run A vs resumed at {p.step} (steps {p.step + 1}-{p.stop})": compare_runs(
         run_a, p.run_dir, steps=range(p.step + 1, p.stop + 1)) for p in segments})
-    sections = [Section("Resume validation", result.resume.summary())]
+    sections = [Section("What ran", result.runs), Section("Resume validation", result.resume.summary())]
     if result.tax:
         sections.append(Section("Determinism tax: how it was measured", result.tax.summary() + "\n" +
                                 "\n".join(f"- {n}" for n in result.tax.notes)))
@@ -174,7 +208,7 @@ def verdict_table(result: ProveResult):
         table.add_row(v.guarantee, "[green]holds" if v.holds else "[bold red]BROKEN", escape(v.evidence))
     if result.tax:
         table.add_row("determinism tax (cost, not a guarantee)", f"{result.tax.tax_percent:+.1f}%",
-                      escape(result.tax.summary()) + "; a short look: `bitdet tax` / benchmarks/bench_tax.py measure longer")
+                      escape(result.tax.summary() + "; " + result.tax_hint))
     elif result.tax_error:
         table.add_row("determinism tax", "not measured", escape(result.tax_error))
     return table
