@@ -438,3 +438,27 @@ def test_readme_commands_are_the_ones_tested():
     assert commands[12] == "bitdet localize runs/mlm_a runs/mlm_b"
     assert PLANT == ["--spec", "examples.planted_megatron_lm", "planted_mamba_stack_spec"]
     assert TRACE == ["--trace", "op", "--trace-steps", "1-1"]
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("megatron_lm", {"script": "/nowhere/pretrain_mamba.py"}, "megatron_lm.script: /nowhere/pretrain_mamba.py does not exist"),
+    ("argv", "pretrain_mamba.py --seed 1", "argv: expected a list of strings"),
+    ("megatron_lm", ["x"], "megatron_lm.script: expected"),
+])
+def test_ladder_refuses_a_megatron_lm_manifest_it_cannot_relaunch_from(planted_runs, tmp_path, capsys, monkeypatch,
+                                                                        key, value, message):
+    """Before any rank starts, naming the manifest and the key."""
+    import shutil
+
+    monkeypatch.chdir(REPO)
+    root, _ = planted_runs
+    bad = tmp_path / "b"
+    shutil.copytree(root / "b", bad, ignore=shutil.ignore_patterns("ladder"))
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest[key] = value
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert bitdet(["localize", str(root / "a"), str(bad), "--levels", "op"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad / 'manifest.json'}: {message}" in err
+    assert not (bad / "ladder").exists()
