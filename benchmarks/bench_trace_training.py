@@ -5,6 +5,8 @@ ONE 2-rank launch builds the model once; each round runs one real training step 
 fingerprints included) per configuration, in alternating order (A B C, C B A, ...), each timed after
 a barrier; a round's time is the slowest rank's. Ratios are paired medians over rounds (each round's
 traced / untraced), so machine drift cancels. The training state advances through every step alike.
+CPU time (both ranks' processes, every thread) is printed beside wall time: on a shared machine it moves
+less with other load. The 1-minute load average is printed with the figures.
 "Outside the window" (nothing installed) is checked by tests/test_trace_training.py, not timed here.
 
     .venv/bin/python benchmarks/bench_trace_training.py [--rounds 12] [--warmup 2] [--profile]
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -109,22 +112,24 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
         tracers[level].attach([m.module for m in state.ddp_modules])
     console = Console(active=False, total=steps)
     times = {c: [] for c in CONFIGS}
+    cpu = {c: [] for c in CONFIGS}
     step = 0
 
     def one(config):
         nonlocal step
         torch.distributed.barrier()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         train_steps(state, data, run_dir=tmp / "run", start=step, stop=step + 1, save_root=None, save_interval=0,
                     manifest={}, console=console, tracer=tracers[config])
         step += 1
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
     for r in range(warmup + rounds):
         for config in (CONFIGS if r % 2 == 0 else CONFIGS[::-1]):
-            s = one(config)
+            s, c = one(config)
             if r >= warmup:
                 times[config].append(s)
+                cpu[config].append(c)
     if profile:
         import cProfile
         import io
@@ -142,7 +147,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
         if tr is not None:
             tr.close()
     gathered = [None] * world_size
-    torch.distributed.all_gather_object(gathered, times)
+    torch.distributed.all_gather_object(gathered, {"wall": times, "cpu": cpu})
     if rank == 0:
         Path(out).write_text(json.dumps({"times": gathered, "op_trace": trace_volume(tmp / "op", rank)}))
     torch.distributed.barrier()
@@ -180,9 +185,10 @@ def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: bool = Fal
         if rc != 0:
             raise SystemExit(f"benchmark launch failed (exit {rc})")
         data = json.loads(out.read_text())
-    ranks = data["times"]
+    ranks = [r["wall"] for r in data["times"]]
     per_round = {c: [max(r[c][i] for r in ranks) * 1000 for i in range(rounds)] for c in CONFIGS}
-    return per_round, data["op_trace"]
+    cpu = {c: [sum(r["cpu"][c][i] for r in data["times"]) * 1000 for i in range(rounds)] for c in CONFIGS}
+    return per_round, cpu, data["op_trace"]
 
 
 def paired_ratio(per_round: dict, config: str) -> float:
@@ -199,8 +205,10 @@ def main() -> None:
     from megatron_bitdet.recipe import load_recipe
 
     recipe = load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml")
-    per_round, volume = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup, profile=args.profile)
+    load0 = os.getloadavg()[0]
+    per_round, cpu, volume = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup, profile=args.profile)
     costs = digest_costs()
+    load1 = os.getloadavg()[0]
     print(f"\nstep time, default recipe, 2 ranks, {args.rounds} interleaved rounds after {args.warmup} warm-up "
           f"(slowest rank per round):")
     print(f"  {'config':<10} {'p10 ms':>8} {'p50 ms':>8} {'p90 ms':>8} {'paired ratio':>13}")
@@ -211,12 +219,16 @@ def main() -> None:
         goal = GOALS.get(c)
         mark = "" if goal is None else f"  (goal <= {goal:.1f}x: {'ok' if ratio <= goal else 'MISSED'})"
         print(f"  {c:<10} {q[0]:8.1f} {statistics.median(xs):8.1f} {q[-1]:8.1f} {ratio:12.2f}x{mark}")
+    print(f"CPU time per step, both ranks' processes together (less sensitive to other load than wall time):")
+    for c in CONFIGS:
+        print(f"  {c:<10} {statistics.median(cpu[c]):8.1f} ms {paired_ratio(cpu, c):12.2f}x")
     ops, mib = volume["records_per_step"], volume["bytes_per_step"] / 2**20
     extra = statistics.median(o - b for o, b in zip(per_round["op"], per_round["untraced"]))
     print(f"op trace, rank 0: {ops:.0f} records and {mib:.1f} MiB of tensors digested per step; "
           f"paired extra {extra:.1f} ms = {extra * 1000 / ops:.1f} us per record")
     print(f"in process: {costs['us_per_op']:.1f} us per traced op on tiny tensors, "
           f"{costs['ns_per_byte']:.3f} ns per digested byte ({1 / costs['ns_per_byte']:.1f} GB/s)")
+    print(f"1-minute load average: {load0:.2f} at the start, {load1:.2f} at the end")
 
 
 if __name__ == "__main__":

@@ -140,10 +140,32 @@ def test_two_rank_gloo_traces_align_and_name_peers(tmp_path):
         assert [r["name"] for r in colls] == ["all_reduce", "all_reduce", "all_gather_into_tensor"]
         assert all(r["peer"]["group"] == [0, 1] for r in colls)
         assert colls[0]["in"] != colls[0]["out"]  # input hashed before the reduction, output after
+        # gloo writes t outside ATen (no version bump): the next op (t * 2) still hashes the reduced bytes
+        ops = [r for r in recs if r["k"] == "op"]
+        (mul,) = [r for r in ops if r["name"] == "aten.mul.Tensor"]
+        (add,) = [r for r in ops if r["name"] == "aten.add.Tensor"]
+        assert mul["in"][0] == colls[0]["out"][0] != add["out"][0]
         assert not any(r["name"].startswith("c10d") for r in recs)
     _, r0 = records(tmp_path / "a", 0)
     _, r1 = records(tmp_path / "a", 1)
     assert [r for r in r0 if r["k"] == "coll"][0]["out"] == [r for r in r1 if r["k"] == "coll"][0]["out"]
+
+
+def test_digests_see_writes_that_bypass_aten():
+    """Digests are never reused: bytes written behind the dispatcher (numpy, ctypes) after a tensor
+    was hashed change its next digest, which equals a fresh copy's."""
+    import ctypes
+
+    from megatron_bitdet.trace.digest import digest
+
+    t = torch.arange(64.0)
+    first = digest(t, "fast")
+    t.numpy()[5] = -1.0
+    second = digest(t, "fast")
+    assert second != first and second == digest(t.clone(), "fast")
+    ctypes.memset(t.data_ptr() + 4 * 63, 0, 4)  # last element zeroed by libc
+    assert digest(t, "fast") not in (first, second) and digest(t, "fast") == digest(t.clone(), "fast")
+    assert digest(t[8:16], "fast") == digest(t[8:16].clone(), "fast")  # same bytes at another offset
 
 
 def test_view_digests_are_exact_without_copies():
@@ -160,3 +182,57 @@ def test_view_digests_are_exact_without_copies():
     assert digest(col.expand(4, 100), "fast") != digest(col2.expand(4, 100), "fast")  # broadcast: once
     assert digest(base[:, :2], "fast") != digest(bumped[:, 1:3], "fast")  # strided slice: copied
     assert digest(base[:, 3], "fast") != digest(bumped[:, 3], "fast")
+
+
+def _aliasing_program():
+    """Ops whose outputs alias inputs in every way a shortcut could get wrong: views of the same and
+    of other spans, dtype views, conj / neg bits, writes through views, a numpy write between ops."""
+    torch.manual_seed(3)
+    w = torch.nn.Parameter(torch.randn(6, 4))
+    x = torch.randn(5, 6)
+    h = x @ w
+    h.view(-1).view(torch.int32).sum()
+    h.t().reshape(-1)              # transposed: reshape copies, then _unsafe_view of the copy
+    h.detach().unsqueeze(0).squeeze(0)[1:].add_(1.0)  # written through a chain of views
+    h.detach().numpy()[0, 0] = 7.0  # behind the dispatcher: the next op must read the new bytes
+    (h.view(20) * 2).split(5)
+    c = torch.randn(3, 2, dtype=torch.complex64)
+    torch.view_as_real(c.conj().resolve_conj()).sum()
+    c.conj().imag.view(-1).abs()   # a neg-bit float view
+    (x @ w).square().sum().backward()
+    torch.optim.Adam([w], lr=0.1, foreach=True).step()
+    return (w.expand(2, 6, 4) * 1.0).sum()
+
+
+class _HashEverything(torch.utils._python_dispatch.TorchDispatchMode):
+    """The reference: every op's inputs before and outputs after, each hashed in full."""
+
+    def __init__(self):
+        super().__init__()
+        self.records = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from megatron_bitdet.trace.digest import digest, trace_tensors
+
+        kwargs = kwargs or {}
+        if func.namespace == "profiler":  # not an op on data (the optimizer's record_function)
+            return func(*args, **kwargs)
+        ins = [digest(t, "fast") for t in trace_tensors((args, kwargs))]
+        out = func(*args, **kwargs)
+        outs = [digest(t, "fast") for t in trace_tensors(out)]
+        if not str(func).startswith("aten.empty"):
+            self.records.append((str(func), ins, outs))
+        return out
+
+
+def test_op_records_equal_hashing_every_tensor_in_full(tmp_path):
+    """The dispatch mode's shortcuts (cached byte spans, a view's output hex taken from the input it
+    aliases) write exactly what hashing every input and output in full writes."""
+    with _HashEverything() as ref:
+        _aliasing_program()
+    with Tracer(tmp_path, 0, 1, level="op") as tr:
+        with tr.step(1):
+            _aliasing_program()
+    got = [(r["name"], r["in"], r["out"]) for r in records(tmp_path)[1] if not r["name"].startswith("aten.empty")]
+    assert len(got) > 40 and got == [(n, i, o) for n, i, o in ref.records]
+    assert any(n == "aten.view.default" for n, _, _ in got) and any(n == "aten._unsafe_view.default" for n, _, _ in got)

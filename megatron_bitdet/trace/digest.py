@@ -16,17 +16,32 @@ from megatron_bitdet.fingerprint.tensor import dtype_name, exact_digest, hashabl
 HASHES = ("fast", "exact", "xor")
 _CHAR_ARRAYS: dict[int, type] = {}
 _PREFIXES: dict = {}
+_SPANS: dict = {}
+_STRIDED = torch.strided
+_NODES = torch.utils._pytree.SUPPORTED_NODES
+_xxh = xxhash.xxh3_64_hexdigest
 
 
 def _host_buffer(t: torch.Tensor):
     """A zero-copy buffer over a contiguous CPU tensor's bytes."""
-    n = t.numel() * t.element_size()
-    typ = _CHAR_ARRAYS.get(n)
-    if typ is None:
-        typ = _CHAR_ARRAYS[n] = ctypes.c_char * n
-        if len(_CHAR_ARRAYS) > 4096:
-            _CHAR_ARRAYS.clear()
-    return typ.from_address(t.data_ptr())
+    return _span(t.data_ptr(), t.numel() * t.element_size())
+
+
+def _span(ptr: int, n: int):
+    """A ctypes array over ``n`` bytes at ``ptr``, kept per (ptr, n): it holds only the address, so a
+    kept one reads whatever those bytes are when hashed (always a live tensor's)."""
+    key = (ptr, n)
+    buf = _SPANS.get(key)
+    if buf is None:
+        typ = _CHAR_ARRAYS.get(n)
+        if typ is None:
+            typ = _CHAR_ARRAYS[n] = ctypes.c_char * n
+            if len(_CHAR_ARRAYS) > 4096:
+                _CHAR_ARRAYS.clear()
+        if len(_SPANS) > 65536:
+            _SPANS.clear()
+        buf = _SPANS[key] = typ.from_address(ptr)
+    return buf
 
 
 def prefix(t: torch.Tensor) -> str:
@@ -39,19 +54,32 @@ def prefix(t: torch.Tensor) -> str:
     return p
 
 
+def fast(t: torch.Tensor):
+    """``digest(t, "fast")``, the hot path of op tracing: for a contiguous CPU tensor a few attribute
+    reads and one xxh3 call over its bytes."""
+    p = _PREFIXES.get((t.dtype, t.shape)) or prefix(t)
+    n = t.nbytes
+    if not n:
+        return p + "empty"
+    if not t.is_cpu:
+        return (p, pos_digest_tensor(t))
+    if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
+        key = (t.data_ptr(), n)
+        return p + _xxh(_SPANS.get(key) or _span(*key))
+    t, layout = _dense_view(t)
+    return p + layout + _xxh(_host_buffer(t))
+
+
 def digest(t: torch.Tensor, mode: str):
     """A finished "dtype[shape]:hex" string, or (prefix, 0-d device tensor) to resolve at flush."""
+    if mode == "fast":
+        return fast(t)
     p = prefix(t)
     if t.numel() == 0:
         return p + "empty"
     if mode == "exact":
         return p + exact_digest(t)
-    if mode == "xor":
-        return p + hex64(torch.hash_tensor(hashable_view(t.detach())).item())
-    if t.device.type == "cpu":
-        t, layout = _dense_view(t)
-        return p + layout + f"{xxhash.xxh3_64_intdigest(_host_buffer(t)):016x}"
-    return (p, pos_digest_tensor(t))
+    return p + hex64(torch.hash_tensor(hashable_view(t.detach())).item())
 
 
 def _dense_view(t: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -89,15 +117,16 @@ def resolve(items: list) -> None:
 
 
 def flat_tensors(args, kwargs) -> list[torch.Tensor]:
-    """``trace_tensors((args, kwargs))`` for the usual op arguments (tensors, lists of tensors,
-    scalars) without the pytree walk; anything nested deeper goes through the pytree."""
+    """``trace_tensors((args, kwargs))`` without the pytree walk for the usual arguments (tensors and
+    scalars); containers and registered pytree nodes still go through the pytree, so the result is
+    the same list."""
     out = []
     for group in (args, kwargs.values() if kwargs else ()):
         for a in group:
             if isinstance(a, torch.Tensor):
-                if a.layout == torch.strided and a.device.type != "meta":
+                if a.layout is _STRIDED and not a.is_meta:
                     out.append(a)
-            elif isinstance(a, (list, tuple, dict)):
+            elif isinstance(a, (list, tuple, dict)) or type(a) in _NODES:
                 out += trace_tensors(a)
     return out
 

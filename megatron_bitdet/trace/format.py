@@ -24,6 +24,7 @@ def event_id(rec: dict) -> str:
 
 
 _JSON_STRINGS: dict[str, str] = {}
+_HEADS: dict[tuple, tuple[str, str]] = {}
 
 
 def _js(s: str) -> str:
@@ -39,7 +40,9 @@ def _digest_list(xs: list) -> str:
     if not xs:
         return "[]"
     body = '","'.join(xs)
-    if '"' in body or "\\" in body or not body.isascii():
+    # json.dumps escapes only quotes, backslashes, control and non-ASCII characters: the joined
+    # body holds exactly the separators' quotes when no digest string needs escaping
+    if body.count('"') != 2 * len(xs) - 2 or "\\" in body or not (body.isascii() and body.isprintable()):
         return json.dumps(xs, separators=(",", ":"))
     return '["' + body + '"]'
 
@@ -48,8 +51,14 @@ def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str,
                 extra: dict) -> str:
     """One record as its JSONL line: exactly ``json.dumps`` of the record dict (compact separators),
     built from cached pieces because an op-level trace writes thousands of lines a step."""
-    line = (f'{{"step":{step},"phase":{_js(phase)},"scope":{_js(scope)},"name":{_js(name)},"n":{n},'
-            f'"k":{_js(kind)},"in":{_digest_list(ins)},"out":{_digest_list(outs)}')
+    key = (phase, scope, name, kind)
+    head = _HEADS.get(key)
+    if head is None:
+        if len(_HEADS) > 65536:
+            _HEADS.clear()
+        head = _HEADS[key] = (f',"phase":{_js(phase)},"scope":{_js(scope)},"name":{_js(name)},"n":',
+                              f',"k":{_js(kind)},"in":')
+    line = f'{{"step":{step}{head[0]}{n}{head[1]}{_digest_list(ins)},"out":{_digest_list(outs)}'
     if extra:
         line += "," + json.dumps(extra, separators=(",", ":"))[1:-1]
     return line + "}"

@@ -10,7 +10,7 @@ from contextlib import contextmanager
 
 import torch
 
-from megatron_bitdet.trace.digest import trace_tensors
+from megatron_bitdet.trace.digest import flat_tensors
 
 
 def _claim(t, attr: str, token) -> bool:
@@ -49,7 +49,7 @@ class _ModuleHooks:
             tr = self.tr
             parent = tr.current()[1]
             tr.push_scope(name)
-            tensors = trace_tensors((args, kwargs))
+            tensors = flat_tensors(args, kwargs)
             if self.record:
                 self.inputs.setdefault(name, []).append(tr.fps(tensors))
             if torch.is_grad_enabled():
@@ -62,7 +62,7 @@ class _ModuleHooks:
         def hook(mod, args, kwargs, output):
             tr = self.tr
             tr.pop_scope()
-            tensors = trace_tensors(output)
+            tensors = flat_tensors((output,), None)
             if self.record:
                 ins = self.inputs[name].pop() if self.inputs.get(name) else []
                 tr.record("module", "forward", ins, tr.fps(tensors), scope=name)

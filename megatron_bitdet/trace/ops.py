@@ -7,26 +7,33 @@ and an op that reads one first is flagged `reads_uninit`.
 """
 from __future__ import annotations
 
+import functools
 from contextlib import contextmanager
 
+import torch
+from torch import Tensor
+from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_bitdet.trace.digest import flat_tensors, prefix
+from megatron_bitdet.trace.digest import digest, fast, flat_tensors, prefix
 
 # collectives are recorded by the torch.distributed wrappers at completion, not at launch
 _SKIP_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "profiler"})
 _UNINIT = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "new_empty_strided"})
 _INFO: dict = {}
+_STRIDED = torch.strided
 
 
 class _OpInfo:
     """What the dispatch mode needs to know about an op, computed once per overload."""
 
-    __slots__ = ("name", "skip", "uninit", "copy", "write_pos", "write_names")
+    __slots__ = ("name", "call", "skip", "uninit", "copy", "write_pos", "write_names", "view")
 
     def __init__(self, func):
         base = func._overloadpacket.__name__
         self.name = str(func)
+        # a plain OpOverload's __call__ only forwards to _op (one Python frame less per op)
+        self.call = func._op if type(func) is OpOverload else func
         self.skip = func.namespace in _SKIP_NAMESPACES
         self.uninit = base in _UNINIT
         self.copy = base == "copy_"
@@ -34,6 +41,11 @@ class _OpInfo:
                if a.alias_info is not None and a.alias_info.is_write]
         self.write_pos = tuple(i for i, _ in hit)
         self.write_names = tuple(n for _, n in hit)
+        rets = func._schema.returns
+        # an ATen view op: every output aliases an input, nothing is written (no kernel touches data)
+        self.view = func.namespace == "aten" and not hit and bool(rets) and (
+            base == "_unsafe_view"  # a view whose schema does not say so (its input is a temporary)
+            or all(r.alias_info is not None and not r.alias_info.is_write for r in rets))
 
 
 def _info(func) -> _OpInfo:
@@ -53,20 +65,50 @@ def _written(info: _OpInfo, args, kwargs) -> list:
     return flat_tensors(written, None)
 
 
+def _dense(t) -> bool:
+    return t.is_contiguous() and not (t.is_conj() or t.is_neg())
+
+
+def _same_span(t, in_t: list, ins: list) -> str | None:
+    """A view op's output over exactly the bytes of a contiguous input hashed just before the op:
+    the same hex under the output's prefix (those bytes are what hashing them again would read; no
+    asynchronous collective is in flight when this is used)."""
+    n = t.nbytes
+    if not n or not _dense(t):
+        return None
+    ptr = t.data_ptr()
+    for src, d in zip(in_t, ins):
+        if src.data_ptr() == ptr and src.nbytes == n and src.is_cpu and t.is_cpu and _dense(src):
+            return prefix(t) + d[-16:]
+    return None
+
+
 class _OpTraceMode(TorchDispatchMode):
+    """Every op outside the tracer's own work: inputs hashed before, outputs after, one record.
+
+    The mode is popped while ``__torch_dispatch__`` runs, so the digests' own torch ops (copies of
+    gapped views) are not traced and need no ``quiet``; the record is appended here directly (the
+    same tuple ``Tracer.record`` appends) because this runs for every op of a traced step.
+    """
+
     def __init__(self, tracer):
         super().__init__()
         self.tr = tracer
+        mode = tracer.config.hash
+        self.fast = mode == "fast"
+        self.fp = fast if self.fast else functools.partial(digest, mode=mode)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
+        if kwargs is None:
+            kwargs = {}
         tr = self.tr
         info = _INFO.get(func) or _info(func)
         if tr.quiet or info.skip:
-            return func(*args, **kwargs)
+            return info.call(*args, **kwargs)
         in_t = flat_tensors(args, kwargs)
-        ins = tr.fps(in_t)
-        flags = []
+        fp = self.fp
+        ins = [fp(t) for t in in_t]
+        flags = None
         uninit = tr.uninit
         written = None
         if uninit:
@@ -75,9 +117,9 @@ class _OpTraceMode(TorchDispatchMode):
                 written = _written(info, args, kwargs)
                 ids = {id(t) for t in written}
                 if any(id(t) not in ids for t in hits):
-                    flags.append("reads_uninit")
+                    flags = ["reads_uninit"]
         if tr.inflight and any(t.data_ptr() in tr.inflight for t in in_t):
-            flags.append("reads_inflight")
+            flags = (flags or []) + ["reads_inflight"]
         cap = tr.capture
         armed = cap is not None and not cap.done and tr.next_id(info.name) == cap.event_id
         if armed:
@@ -86,31 +128,35 @@ class _OpTraceMode(TorchDispatchMode):
                 pending = cap.before(func, args, kwargs)
             finally:
                 tr.quiet -= 1
-        out = func(*args, **kwargs)
+        out = info.call(*args, **kwargs)
         if armed:
             tr.quiet += 1
             try:
                 cap.after(pending, out)
             finally:
                 tr.quiet -= 1
-        out_t = flat_tensors((out,), None)
+        if isinstance(out, Tensor):
+            out_t = [out] if out.layout is _STRIDED and not out.is_meta else []
+        else:
+            out_t = flat_tensors((out,), None)
         if info.uninit:
-            flags.append("uninit")
+            flags = (flags or []) + ["uninit"]
             outs = [prefix(t) + "uninit" for t in out_t]
             uninit.update((t.data_ptr(), None) for t in out_t)
         else:
-            outs = tr.fps(out_t)
+            if info.view and self.fast and not tr.inflight:
+                outs = [_same_span(t, in_t, ins) or fp(t) for t in out_t]
+            else:
+                outs = [fp(t) for t in out_t]
             if uninit:
                 for t in out_t:
                     uninit.pop(t.data_ptr(), None)
-                for t in written if written is not None else _written(info, args, kwargs):
-                    uninit.pop(t.data_ptr(), None)
+                if info.write_pos:
+                    for t in written if written is not None else _written(info, args, kwargs):
+                        uninit.pop(t.data_ptr(), None)
         if kwargs.get("non_blocking") or (info.copy and len(args) > 2 and args[2]):
-            flags.append("nonblocking")
-        if flags:
-            tr.record("op", info.name, ins, outs, flags=flags)
-        else:
-            tr.record("op", info.name, ins, outs)
+            flags = (flags or []) + ["nonblocking"]
+        tr.record_op(info.name, ins, outs, flags)
         return out
 
 
