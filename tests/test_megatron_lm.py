@@ -233,6 +233,12 @@ def planted_pair(root: Path, *extra: str) -> dict:
         os.chdir(cwd)
 
 
+def trace_lines(run_dir: Path, rank: int) -> list[bytes]:
+    from megatron_bitdet.trace import open_trace, trace_path
+
+    return [raw for _, raw in open_trace(trace_path(run_dir, rank)).lines()]
+
+
 @pytest.fixture(scope="session")
 def planted_runs(tmp_path_factory):
     """Fingerprints only: what `bitdet localize` climbs the ladder from."""
@@ -288,10 +294,10 @@ def test_trace_flags_on_a_megatron_lm_launch_line_write_traces(traced_runs):
     manifest = json.loads((root / "a" / "manifest.json").read_text())
     assert manifest["trace"] == {"level": "op", "steps": [1, 1], "ranks": None, "hash": "fast"}
     for rank in (0, 1):
-        trace = open_trace(trace_path(root / "a", rank))
-        assert trace.header["level"] == "op" and trace.header["world_size"] == 2
-        assert trace.header["manifest_digest"] == manifest["recipe_digest"]
-        records = [json.loads(raw) for _, raw in trace.lines()]
+        header = open_trace(trace_path(root / "a", rank)).header
+        assert header["level"] == "op" and header["world_size"] == 2
+        assert header["manifest_digest"] == manifest["recipe_digest"]
+        records = [json.loads(raw) for raw in trace_lines(root / "a", rank)]
         assert {r["step"] for r in records} == {1}
         assert {"forward", "backward", "grad_reduce", "optimizer"} <= {r["phase"] for r in records}
         assert any(r["scope"] == FC2 and r["name"] == ATOMIC for r in records)
@@ -462,3 +468,15 @@ def test_ladder_refuses_a_megatron_lm_manifest_it_cannot_relaunch_from(planted_r
     err = capsys.readouterr().err
     assert f"{bad / 'manifest.json'}: {message}" in err
     assert not (bad / "ladder").exists()
+
+
+def test_tracing_a_megatron_lm_run_changes_no_bit(mamba_runs, tmp_path, capsys):
+    """The README's line traced at op level over two steps writes the untraced twin's fingerprints byte for byte."""
+    runs, _ = mamba_runs
+    assert launch(tmp_path / "t", "pretrain_mamba.py", MAMBA, "--trace", "op", "--trace-steps", "1-2") == 0
+    assert {r["step"] for r in map(json.loads, trace_lines(tmp_path / "t", 0))} == {1, 2}
+    for rank in (0, 1):
+        traced = (tmp_path / "t" / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+        assert traced and traced == (runs["b"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+    capsys.readouterr()
+    assert bitdet(["compare", str(runs["b"]), str(tmp_path / "t")]) == 0
