@@ -9,6 +9,8 @@ run to run; rank 1 receives the difference through collectives.
     bitdet train --recipe recipes/nemotron_h_tiny.yaml --model-provider examples.planted_nondeterminism:provider \\
         --run-dir runs/a training.iterations=3      # twice, runs/a and runs/b; then bitdet localize runs/a runs/b
 
+The same planted op under Megatron-LM's own ``pretrain_mamba.py``: ``examples.planted_megatron_lm``.
+
 ``index_put_provider`` reproduces the real CPU nondeterminism of docs: megatron's deterministic
 embedding path (``weight[ids]``, backward ``index_put_(accumulate=True)``) without torch's
 deterministic algorithms; run it with ``determinism.mode=false`` (torch's flag off).

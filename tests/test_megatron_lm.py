@@ -1,5 +1,6 @@
 """Megatron-LM's own pretrain_mamba.py / pretrain_gpt.py, unmodified, under the bitdet entry point on 2
-real gloo ranks: byte-identical twins, another seed diverging at step 1, the launch-line lint.
+real gloo ranks: byte-identical twins, another seed diverging at step 1, the launch-line lint, resume, and
+tracing + localize (the ladder included) naming a planted op reached from the launch line (``--spec``).
 
 Needs a Megatron-LM checkout (``MEGATRON_LM_PATH``; ``.ci/run`` points it at ../shared/megatron-lm).
 Every launch is made once per session and read by every test that needs it.
@@ -209,6 +210,147 @@ def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(
     assert report["first_output_divergence"] == {"2": 3}  # dropout draws from the unrestored generator
 
 
+# ---------------------------------------------------------------- tracing and localize on Megatron-LM runs
+PLANT = shlex.split(next(line for line in README if line.startswith("PLANT="))[len("PLANT="):].split("#")[0])[0].split()
+TRACE = next(line for line in README if "--trace " in line and "$PLANT" in line).split("$PLANT")[1].split()
+ATOMIC = "bitdet_example.atomic_sum.default"  # the planted op (examples.planted_nondeterminism), as the dispatcher names it
+FC2 = "decoder.layers.2.mlp.linear_fc2"      # M*-E: the dense MLP layer is the third
+
+
+def planted_pair(root: Path, *extra: str) -> dict:
+    """Two launches of the README's line with the planted layer spec, from the repository root (the
+    ranks import ``examples.`` from there, as a user's ranks import their own spec module); side by side,
+    as the ladder re-runs pairs."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    cwd = os.getcwd()
+    os.chdir(REPO)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = {k: pool.submit(launch, root / k, "pretrain_mamba.py", MAMBA, *PLANT, *extra) for k in ("a", "b")}
+            return {k: f.result() for k, f in futures.items()}
+    finally:
+        os.chdir(cwd)
+
+
+def trace_lines(run_dir: Path, rank: int) -> list[bytes]:
+    from megatron_bitdet.trace import open_trace, trace_path
+
+    return [raw for _, raw in open_trace(trace_path(run_dir, rank)).lines()]
+
+
+@pytest.fixture(scope="session")
+def planted_runs(tmp_path_factory):
+    """Fingerprints only: what `bitdet localize` climbs the ladder from."""
+    root = tmp_path_factory.mktemp("megatron_lm_planted")
+    return root, planted_pair(root)
+
+
+@pytest.fixture(scope="session")
+def traced_runs(tmp_path_factory):
+    """Launched with the README's tracing flags (--trace op --trace-steps 1-1)."""
+    root = tmp_path_factory.mktemp("megatron_lm_traced")
+    return root, planted_pair(root, *TRACE)
+
+
+def test_localize_ladder_names_the_planted_op_in_megatron_lm_runs(planted_runs, capsys, monkeypatch):
+    """Fingerprint-only runs: the ladder re-launches both from their manifests (script + launch line)
+    traced at op level, names the planted op and its module, then the kernel rung captures the op in two
+    more re-launches and replays it in isolation."""
+    root, rcs = planted_runs
+    assert rcs == {"a": 0, "b": 0}
+    for k in ("a", "b"):
+        assert not (root / k / "traces").exists()
+        assert json.loads((root / k / "manifest.json").read_text())["trace"] is None
+    monkeypatch.chdir(REPO)
+    capsys.readouterr()
+    rc = bitdet(["localize", str(root / "a"), str(root / "b"), "--levels", "op", "--json"])
+    out = last_json(capsys.readouterr().out)
+    assert rc == 1 and out["diverged"] and out["reproduced"], out
+    assert out["first_step"] == 1 and [r["level"] for r in out["rungs"]] == ["op"]
+    c = out["culprit"]
+    assert (c["op"], c["module"], c["step"], c["phase"], c["classification"]) == (
+        ATOMIC, FC2, 1, "forward", "producer")
+    rerun = json.loads((root / "a" / "ladder" / "op" / "manifest.json").read_text())
+    assert rerun["megatron_lm"]["script"] == script("pretrain_mamba.py")
+    assert rerun["trace"]["level"] == "op" and rerun["trace"]["steps"] == [1, 1]
+    tail = rerun["argv"][rerun["argv"].index("--exit-interval"):]
+    assert tail[:2] == ["--exit-interval", "1"] and "--trace" in tail  # stopped after the divergent step
+    k = out["kernel"]
+    assert k["status"] == "replayed", k
+    assert k["op"] == ATOMIC and k["rank"] == c["rank"] and k["event_id"] == c["event_id"]
+    assert k["mechanism"] == "order_inside_kernel"
+    for run in ("a", "b"):
+        assert (root / run / "ladder" / "kernel" / "captures" / f"rank_{c['rank']:05d}.capture.pt").is_file()
+
+
+def test_trace_flags_on_a_megatron_lm_launch_line_write_traces(traced_runs):
+    """The tracing flags bitdet train takes work on Megatron-LM's loop: the window's step traced on every
+    rank with bitdet train's phases and megatron's module paths as scopes, in the trace format."""
+    from megatron_bitdet.trace import open_trace, trace_path
+
+    root, rcs = traced_runs
+    assert rcs == {"a": 0, "b": 0}
+    manifest = json.loads((root / "a" / "manifest.json").read_text())
+    assert manifest["trace"] == {"level": "op", "steps": [1, 1], "ranks": None, "hash": "fast"}
+    for rank in (0, 1):
+        header = open_trace(trace_path(root / "a", rank)).header
+        assert header["level"] == "op" and header["world_size"] == 2
+        assert header["manifest_digest"] == manifest["recipe_digest"]
+        records = [json.loads(raw) for raw in trace_lines(root / "a", rank)]
+        assert {r["step"] for r in records} == {1}
+        assert {"forward", "backward", "grad_reduce", "optimizer"} <= {r["phase"] for r in records}
+        assert any(r["scope"] == FC2 and r["name"] == ATOMIC for r in records)
+        assert any(r["name"] == "optimizer.step" for r in records) and any(r["name"] == "grad_buffers" for r in records)
+        assert [s["step"] for s in lines(root / "a", rank)] == [1, 2, 3]  # the run itself went on
+
+
+def test_localize_on_megatron_lm_traces_names_the_planted_op(traced_runs, capsys):
+    root, _ = traced_runs
+    capsys.readouterr()
+    assert bitdet(["localize", str(root / "a"), str(root / "b"), "--json"]) == 1
+    c = json.loads(capsys.readouterr().out)["culprit"]
+    assert (c["op"], c["module"], c["step"], c["classification"]) == (ATOMIC, FC2, 1, "producer")
+
+
+def test_localize_clean_megatron_lm_twins_exit_0(mamba_runs, capsys):
+    runs, _ = mamba_runs
+    capsys.readouterr()
+    assert bitdet(["localize", str(runs["a"]), str(runs["b"])]) == 0
+    assert "fingerprints match over 3 steps" in capsys.readouterr().out
+
+
+def test_bad_trace_flags_are_refused_before_any_rank_starts(tmp_path, capsys):
+    rc = launch(tmp_path / "t", "pretrain_mamba.py", MAMBA, "--trace", "op", "--trace-steps", "3-1")
+    assert rc == 2 and "--trace-steps 3-1: need 1 <= A <= B" in capsys.readouterr().err
+    rc = launch(tmp_path / "t", "pretrain_mamba.py", MAMBA, "--trace", "module", "--trace-capture", "0:1/forward/x/y#0")
+    assert rc == 2 and "needs --trace op" in capsys.readouterr().err
+    assert not (tmp_path / "t" / "logs").exists()
+
+
+def test_replay_refuses_a_megatron_lm_run(mamba_runs, capsys):
+    runs, _ = mamba_runs
+    capsys.readouterr()
+    assert bitdet(["replay", str(runs["b"]), "--step", "2"]) == 2
+    assert "a Megatron-LM run" in capsys.readouterr().err
+
+
+def test_a_rerun_line_drops_the_originals_outputs_and_adds_the_window():
+    from megatron_bitdet.megatron_lm.launch import rerun_args
+    from megatron_bitdet.trace import TraceConfig
+    from megatron_bitdet.trace.options import trace_settings
+    from megatron_bitdet.megatron_lm.options import preparse
+
+    line = [*MAMBA, "--save", "ck", "--save-interval=2", "--run-dir", "r", "--snapshot-at", "2", *TRACE,
+            "--tensorboard-dir", "tb"]
+    trace = TraceConfig("op", (2, 2), frozenset({1}), capture={"rank": 1, "event_id": "2/forward/a.b/aten.mm.default#0"})
+    out = rerun_args(line, stop_at=2, trace=trace)
+    assert out[:len(MAMBA)] == MAMBA
+    assert out[len(MAMBA):len(MAMBA) + 2] == ["--exit-interval", "2"]
+    assert trace_settings(preparse(out)) == trace  # the flags read back as the same window and capture
+    assert not {"--save", "--save-interval=2", "--run-dir", "--snapshot-at", "--tensorboard-dir"} & set(out)
+
+
 def readme_command(prefix: str, out: Path, *extra: str) -> list[str]:
     """The README command starting with ``prefix`` as argv, exactly as written: $MEGATRON_LM_PATH and
     $ARGS expanded, its --out pointed at ``out``, ``extra`` options put before the launch line's --."""
@@ -282,16 +424,59 @@ def test_prove_refuses_a_launch_line_it_cannot_prove_before_any_rank_starts(tmp_
 
 def test_readme_commands_are_the_ones_tested():
     """Each README command is one this file runs (same subcommand, options and $ARGS; paths aside)."""
-    commands = [line for line in README if line.startswith("bitdet ")]
-    assert [c.split("#")[0].split()[:2] for c in commands] == [
+    commands = [line.split("#")[0].strip() for line in README if line.startswith("bitdet ")]
+    assert [c.split()[:2] for c in commands] == [
         ["bitdet", "megatron-lm"], ["bitdet", "megatron-lm"], ["bitdet", "compare"], ["bitdet", "verify-resume"],
-        ["bitdet", "megatron-lm"], ["bitdet", "prove"]]
+        ["bitdet", "megatron-lm"], ["bitdet", "prove"], ["bitdet", "megatron-lm"], ["bitdet", "megatron-lm"],
+        ["bitdet", "localize"], ["bitdet", "megatron-lm"], ["bitdet", "megatron-lm"], ["bitdet", "localize"],
+        ["bitdet", "localize"]]
     assert commands[0].endswith("$ARGS --snapshot-at 2") and commands[1].endswith("pretrain_mamba.py $ARGS")
     assert "--resume-at 2 --reference runs/mlm_a" in commands[3] and commands[3].endswith("-- $ARGS")
     assert "--seed" in MAMBA and "--deterministic-mode" in MAMBA and "M*-E" in MAMBA
+    assert commands[5].startswith("bitdet prove --megatron-lm") and commands[5].endswith("-- $ARGS")
+    # localize: planted fingerprint-only runs through the ladder (op rung + kernel rung), planted traced runs
+    # directly, the clean twins (tests below)
+    assert commands[6].endswith("pretrain_mamba.py $ARGS $PLANT") and commands[7].endswith("pretrain_mamba.py $ARGS $PLANT")
+    assert commands[8] == "bitdet localize runs/mlm_p1 runs/mlm_p2 --levels op"
+    assert commands[9].endswith("$ARGS $PLANT --trace op --trace-steps 1-1") and commands[10].endswith(
+        "$ARGS $PLANT --trace op --trace-steps 1-1")
+    assert commands[11] == "bitdet localize runs/mlm_t1 runs/mlm_t2"
+    assert commands[12] == "bitdet localize runs/mlm_a runs/mlm_b"
+    assert PLANT == ["--spec", "examples.planted_megatron_lm", "planted_mamba_stack_spec"]
+    assert TRACE == ["--trace", "op", "--trace-steps", "1-1"]
 
 
-def test_trace_is_refused_before_any_rank_starts(tmp_path, capsys):
-    rc = launch(tmp_path / "t", "pretrain_mamba.py", MAMBA, "--trace", "op")
-    assert rc == 2 and "--trace is not wired into Megatron-LM's loop" in capsys.readouterr().err
-    assert not (tmp_path / "t" / "logs").exists()
+@pytest.mark.parametrize("key, value, message", [
+    ("megatron_lm", {"script": "/nowhere/pretrain_mamba.py"}, "megatron_lm.script: /nowhere/pretrain_mamba.py does not exist"),
+    ("argv", "pretrain_mamba.py --seed 1", "argv: expected a list of strings"),
+    ("megatron_lm", ["x"], "megatron_lm.script: expected"),
+])
+def test_ladder_refuses_a_megatron_lm_manifest_it_cannot_relaunch_from(planted_runs, tmp_path, capsys, monkeypatch,
+                                                                        key, value, message):
+    """Before any rank starts, naming the manifest and the key."""
+    import shutil
+
+    monkeypatch.chdir(REPO)
+    root, _ = planted_runs
+    bad = tmp_path / "b"
+    shutil.copytree(root / "b", bad, ignore=shutil.ignore_patterns("ladder"))
+    manifest = json.loads((bad / "manifest.json").read_text())
+    manifest[key] = value
+    (bad / "manifest.json").write_text(json.dumps(manifest))
+    capsys.readouterr()
+    assert bitdet(["localize", str(root / "a"), str(bad), "--levels", "op"]) == 2
+    err = capsys.readouterr().err
+    assert f"{bad / 'manifest.json'}: {message}" in err
+    assert not (bad / "ladder").exists()
+
+
+def test_tracing_a_megatron_lm_run_changes_no_bit(mamba_runs, tmp_path, capsys):
+    """The README's line traced at op level over two steps writes the untraced twin's fingerprints byte for byte."""
+    runs, _ = mamba_runs
+    assert launch(tmp_path / "t", "pretrain_mamba.py", MAMBA, "--trace", "op", "--trace-steps", "1-2") == 0
+    assert {r["step"] for r in map(json.loads, trace_lines(tmp_path / "t", 0))} == {1, 2}
+    for rank in (0, 1):
+        traced = (tmp_path / "t" / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+        assert traced and traced == (runs["b"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
+    capsys.readouterr()
+    assert bitdet(["compare", str(runs["b"]), str(tmp_path / "t")]) == 0

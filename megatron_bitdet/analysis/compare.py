@@ -252,18 +252,3 @@ def _run_steps(run: RunData, ranks: list[int]) -> str:
 
 def _span(steps: list[int]) -> str:
     return "none" if not steps else f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
-
-
-def parse_ranks(text: str, flag: str = "--ranks") -> list[int]:
-    """'0,2,4-7' -> [0, 2, 4, 5, 6, 7]; BitdetInputError (naming ``flag``) on anything else."""
-    ranks: list[int] = []
-    try:
-        for part in filter(None, (p.strip() for p in text.split(","))):
-            lo, _, hi = part.partition("-")
-            ranks.extend(range(int(lo), int(hi or lo) + 1))
-    except ValueError:
-        raise BitdetInputError(f"{flag}: expected e.g. '0,2,4-7', got {text!r}") from None
-    if not ranks:
-        raise BitdetInputError(f"{flag}: nothing in {text!r}")
-    return ranks
-

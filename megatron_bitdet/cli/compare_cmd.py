@@ -4,7 +4,8 @@ from __future__ import annotations
 import json
 import sys
 
-from megatron_bitdet.analysis.compare import CompareResult, MetricDiff, compare_runs, parse_ranks
+from megatron_bitdet.analysis.compare import CompareResult, MetricDiff, compare_runs
+from megatron_bitdet.trace.options import parse_ranks
 from megatron_bitdet.errors import BitdetInputError
 
 

@@ -19,8 +19,9 @@ def register(subparsers, summary: str) -> None:
     p = subparsers.add_parser(
         "localize", help=summary, description=summary + ".",
         epilog="Runs with traces/ are compared as they are; runs with fingerprints only go up the ladder: "
-               "first divergent step from the fingerprints, then both runs re-launched from their manifests "
-               "(run from the directory they were launched in) with tracing semantic -> module -> op in a "
+               "first divergent step from the fingerprints, then both runs re-launched from their manifests (a "
+               "bitdet train run from its recipe, a Megatron-LM run from its script and launch line; run from the "
+               "directory they were launched in) with tracing semantic -> module -> op in a "
                "window ending at that step, into RUN_X/ladder/<level>/, then the kernel rung: the culprit op "
                "captured in both re-runs (RUN_X/ladder/kernel/) and replayed in isolation. "
                "Exit 0: no mismatch; 1: mismatch found (also when the ladder could not reproduce it: "

@@ -7,15 +7,20 @@ EXAMPLES = """examples:
   bitdet megatron-lm --nproc 2 --run-dir runs/m $MEGATRON_LM_PATH/pretrain_mamba.py --deterministic-mode \\
       --spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec ... <Megatron args>
   bitdet megatron-lm --check $MEGATRON_LM_PATH/pretrain_gpt.py --deterministic-mode <a production launch line>
+  bitdet megatron-lm --nproc 2 --run-dir runs/t $MEGATRON_LM_PATH/pretrain_mamba.py <Megatron args> \\
+      --trace op --trace-steps 1-1          # twice; then: bitdet localize runs/t runs/t2
   torchrun --nproc-per-node 8 -m megatron_bitdet.megatron_lm PATH/pretrain_mamba.py --deterministic-mode \\
       --recipe R.yaml --run-dir runs/gpu <Megatron args>
 
 --check judges the launch line (exit 2 listing every violation, 0 when clean) without training; flags
 for kernels that are not installed here are judged, not imported. bitdet's own options may appear
-among the Megatron args: --recipe, --bitdet-override, --run-dir, --snapshot-at (--trace is refused:
-tracing and localize drive `bitdet train` runs).
+among the Megatron args: --recipe, --bitdet-override, --run-dir, --snapshot-at, and bitdet train's
+tracing flags (--trace LEVEL --trace-steps A-B --trace-ranks LIST --trace-hash H --trace-capture R:EVENT).
+`bitdet localize` compares two traced runs, or re-launches two fingerprint-only runs from their manifests
+traced (the ladder; run it where the runs were launched).
 run directory: manifest.json, fingerprints/rank_XXXXX.jsonl, logs/rank_XXXXX.log (as for `bitdet train`),
-timings/rank_XXXXX.jsonl (each train_step's wall time: the tax of `bitdet prove --megatron-lm`)"""
+timings/rank_XXXXX.jsonl (each train_step's wall time: the tax of `bitdet prove --megatron-lm`),
+traces/rank_XXXXX.trace.jsonl (with --trace)"""
 
 
 def register(subparsers, summary):

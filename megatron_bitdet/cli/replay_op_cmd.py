@@ -44,7 +44,7 @@ def _resolve(path: str, rank) -> Path:
 
 
 def run(args) -> int:
-    from megatron_bitdet.analysis.compare import parse_ranks
+    from megatron_bitdet.trace.options import parse_ranks
     from megatron_bitdet.analysis.kernel_replay import replay_op
 
     threads = parse_ranks(args.threads) if args.threads else None

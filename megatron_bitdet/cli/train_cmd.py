@@ -5,6 +5,8 @@ import argparse
 import os
 import sys
 
+from megatron_bitdet.trace.options import add_trace_args, trace_settings
+
 EXAMPLES = """examples:
   bitdet train --recipe nemotron_h_tiny --deterministic-mode --nproc 2 --run-dir runs/a
   bitdet train --recipe nemotron_h_tiny --nproc 2 --run-dir runs/a --save-interval 4
@@ -46,39 +48,6 @@ def register(subparsers, summary):
     p.add_argument("--stop-at", type=int, metavar="K", help="stop after iteration K (simulates an interruption)")
     add_trace_args(p)
     p.set_defaults(func=run)
-
-
-def add_trace_args(p) -> None:
-    g = p.add_argument_group("tracing", "per-rank traces for `bitdet localize` (off: nothing is installed)")
-    g.add_argument("--trace", metavar="LEVEL",
-                   help="semantic (gradient reduction, optimizer, collectives), module (+ every module's "
-                        "forward/backward) or op (+ every dispatcher op)")
-    g.add_argument("--trace-steps", metavar="A-B", help="inclusive step window (default: every step)")
-    g.add_argument("--trace-ranks", metavar="LIST", help="ranks to trace, e.g. 0,2-3 (default: all)")
-    g.add_argument("--trace-hash", default="fast", metavar="HASH", help="tensor digest: fast (default), exact, xor")
-
-
-def trace_settings(args):
-    """The run's ``TraceConfig`` from the tracing flags, validated here (exit 2 before any rank starts)."""
-    from megatron_bitdet.analysis.compare import parse_ranks
-    from megatron_bitdet.errors import BitdetInputError
-    from megatron_bitdet.trace import TraceConfig
-
-    if not args.trace:
-        if args.trace_steps or args.trace_ranks:
-            raise BitdetInputError("--trace-steps / --trace-ranks need --trace LEVEL")
-        return None
-    steps = [1, 1 << 62]
-    if args.trace_steps:
-        lo, sep, hi = args.trace_steps.partition("-")
-        try:
-            steps = [int(lo), int(hi if sep else lo)]
-        except ValueError:
-            raise BitdetInputError(f"--trace-steps: expected A-B, e.g. 3-4, got {args.trace_steps!r}") from None
-        if not 1 <= steps[0] <= steps[1]:
-            raise BitdetInputError(f"--trace-steps {args.trace_steps}: need 1 <= A <= B")
-    ranks = parse_ranks(args.trace_ranks) if args.trace_ranks else None
-    return TraceConfig(args.trace, tuple(steps), frozenset(ranks) if ranks else None, args.trace_hash)
 
 
 def load_run_recipe(args):

@@ -8,7 +8,8 @@ Order, because determinism needs it: (1) the canonical environment, before the s
 CUDA, megatron.training's included; (3) hooks on Megatron's own seams (``pretrain`` chains bitdet's
 arguments into the script's ``extra_args_provider``; ``validate_args`` judges the parsed args — the
 model that will really be built — enables torch's flags and installs the swaps before any process
-group or model exists; ``train_step`` writes the per-step fingerprints); (4) the script, as ``__main__``.
+group or model exists; ``train_step`` writes the per-step fingerprints and, with ``--trace``, the traces);
+(4) the script, as ``__main__``.
 """
 from __future__ import annotations
 

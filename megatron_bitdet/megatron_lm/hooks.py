@@ -9,7 +9,9 @@
   generator, which on CPU is also the generator dropout draws from; it draws on a saved-and-restored
   state here, so a resumed run's dropout stream equals the uninterrupted run's.
 - ``train_step``: one fingerprint line per step on every rank (the writer ``bitdet train`` uses), and
-  the step's wall time in a file of its own (``timings``: the tax of a launch line).
+  the step's wall time in a file of its own (``timings``: the tax of a launch line); with ``--trace`` the
+  steps in the window are traced as ``bitdet train`` traces them (``train.tracing``: phases forward /
+  backward inside Megatron's forward_backward_func, grad_reduce, optimizer; bookkeeping untraced).
 - checkpoint load: megatron-core 0.16.1's distributed optimizer with torch's Adam (the same two step
   bugs ``bitdet train`` works around).
 """
@@ -50,6 +52,15 @@ class Session:
     lr: float | None = None
     model: list | None = None
     clock: object = None
+    tracer: object = None                # this rank's Tracer (--trace), made at the first step
+    traced: object = None                # the tracer while a step inside its window runs, else None
+
+    @property
+    def trace(self):
+        """The launch line's tracing flags as a TraceConfig (None: tracing off)."""
+        from megatron_bitdet.trace.options import trace_settings
+
+        return trace_settings(self.opts)
 
     @property
     def snapshot_at(self) -> frozenset:
@@ -77,6 +88,9 @@ class Session:
             self.writer = None
         if self.clock is not None:
             self.clock.close()
+        if self.tracer is not None:
+            self.tracer.close()
+            self.tracer = None
 
 
 def _chain(user_provider):
@@ -159,7 +173,8 @@ def _manifest(session, enforcement, args, *, check: bool = False) -> dict:
     return build_manifest(
         session.recipe, enforcement, world_size=args.world_size, argv=session.argv,
         extra={"patches": session.patches, "cpu_backend_seams": cpu_backend.installed() + training_seams.installed(),
-               "megatron_lm": {"script": session.script, "check": check, "spec_family": spec_family(args)}},
+               "megatron_lm": {"script": session.script, "check": check, "spec_family": spec_family(args)},
+               "trace": None if session.trace is None else session.trace.to_json()},
     )
 
 
@@ -196,22 +211,55 @@ def on_validate(session, args) -> None:
 
 
 def _wrap_optimizer_step(session, optimizer) -> None:
-    """Grads are digested right before the optimizer consumes them; lr is the one the step used."""
+    """Grads are digested (untraced) right before the optimizer consumes them; lr is the one the step
+    used; in a traced step the step itself is the ``optimizer`` phase, as in ``bitdet train``."""
     if getattr(optimizer, "_bitdet_wrapped", False):
         return
     from megatron_bitdet.train.step_fingerprints import buffer_digest
+    from megatron_bitdet.train.tracing import traced_optimizer_step, untraced
 
     original = optimizer.step
     model = session.model
 
     def step(*a, **kw):
-        with session.step_clock().excluded():
+        with session.step_clock().excluded(), untraced(session.traced):
             session.grads_digest = buffer_digest(model, "grad_data")
         session.lr = optimizer.param_groups[0]["lr"]
-        return original(*a, **kw)
+        return traced_optimizer_step(session.traced, optimizer, model, lambda: original(*a, **kw))
 
     optimizer.step = step
     optimizer._bitdet_wrapped = True
+
+
+class UntracedBatches:
+    """The training DataLoader's iterator with every ``next()`` outside the trace: with ``--num-workers``
+    the main process rebuilds the batches its worker processes deliver in arrival order (prefetched ones
+    too), so which tensors a traced step rebuilds is timing. The batch itself is in the trace as the
+    inputs of the ops that consume it."""
+
+    def __init__(self, iterable, session):
+        self.iterable, self.session = iterable, session
+
+    def __iter__(self):
+        return self
+
+    def __next__(self):
+        from megatron_bitdet.train.tracing import untraced
+
+        with untraced(self.session.traced):
+            return next(self.iterable)
+
+
+def rank_tracer(session, model):
+    """This rank's Tracer over the chunks Megatron built (``--trace``; None without), made at the first step."""
+    if session.tracer is None and session.trace is not None:
+        import torch
+
+        from megatron_bitdet.train.tracing import make_tracer
+
+        session.tracer = make_tracer(session.trace, session.run_dir, torch.distributed.get_rank(),
+                                     torch.distributed.get_world_size(), model, session.manifest.get("recipe_digest"))
+    return session.tracer
 
 
 def on_step_end(session, step: int, result, model) -> None:
@@ -288,6 +336,8 @@ def install(session: Session) -> None:
     ``--check``, replaces the earlier one's wrappers instead of stacking on them)."""
     from megatron.training import initialize, training
 
+    from megatron_bitdet.train.tracing import traced_step
+
     if not _ORIGINALS:
         _ORIGINALS.update(pretrain=training.pretrain, validate_args=initialize.validate_args,
                           iterators=training.build_train_valid_test_data_iterators, train_step=training.train_step,
@@ -315,22 +365,31 @@ def install(session: Session) -> None:
 
         state = torch.get_rng_state()
         try:
-            return original_iterators(*a, **kw)
+            train, *rest = original_iterators(*a, **kw)
         finally:
             torch.set_rng_state(state)
+        for it in (train if isinstance(train, list) else [train]) if session.trace is not None else ():
+            if it is not None:
+                it.iterable = UntracedBatches(it.iterable, session)
+        return (train, *rest)
 
     original_step = _ORIGINALS["train_step"]
 
     @functools.wraps(original_step)
-    def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, *a, iteration=None, **kw):
+    def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, *a, iteration=None,
+                   **kw):
         session.model = model
         _wrap_optimizer_step(session, optimizer)
         if iteration in session.snapshot_at:
             snapshot(session, iteration, model, optimizer, scheduler)
-        session.step_clock().start()
-        result = original_step(forward_step_func, data_iterator, model, optimizer, scheduler, *a,
-                               iteration=iteration, **kw)
-        session.clock.stop(iteration + 1)
+        with traced_step(rank_tracer(session, model), config, model, iteration + 1) as session.traced:
+            try:
+                session.step_clock().start()
+                result = original_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, *a,
+                                       iteration=iteration, **kw)
+                session.clock.stop(iteration + 1)
+            finally:
+                session.traced = None
         on_step_end(session, iteration + 1, result, model)
         return result
 

@@ -5,17 +5,25 @@ import os
 
 from megatron_bitdet.errors import BitdetError
 
+# a re-run writes into its own run directory only: the original's outputs and tracing are not carried over
+_OUTPUT_FLAGS = ("--run-dir", "--snapshot-at", "--trace", "--trace-steps", "--trace-ranks", "--trace-hash",
+                 "--trace-capture", "--save", "--save-interval", "--persistent-save-interval", "--exit-interval",
+                 "--tensorboard-dir", "--wandb-project", "--wandb-save-dir")
+
 
 def launch_line(script: str, megatron_args: list, *, nproc: int, run_dir=None) -> int:
     """Run ``script`` on ``nproc`` ranks; the canonical env is in each rank's environment from its
-    first instruction (with ``--deterministic-mode``). Returns the exit code."""
+    first instruction (with ``--deterministic-mode``). Bad bitdet options (tracing flags included)
+    exit 2 before any rank starts. Returns the exit code."""
     from megatron_bitdet.megatron_lm import entry
     from megatron_bitdet.megatron_lm.options import DEFAULT_RUN_DIR, preparse
+    from megatron_bitdet.trace.options import trace_settings
     from megatron_bitdet.train.launch import launch
 
     entry.split_argv([script])  # the script must exist: exit 2 before any rank starts
     argv = list(megatron_args) + (["--run-dir", str(run_dir)] if run_dir else [])
     opts = preparse(argv)
+    trace_settings(opts)
     env = {"PYTHONUNBUFFERED": "1"}
     if opts.deterministic_mode:
         env.update(entry.canonical_env(entry.load_base_recipe(opts)))
@@ -28,3 +36,26 @@ def launch_or_fail(script: str, megatron_args: list, *, nproc: int, run_dir, wha
     rc = launch_line(script, megatron_args, nproc=nproc, run_dir=run_dir)
     if rc != 0:
         raise BitdetError(f"{what} failed (exit code {rc}); logs: {os.path.join(str(run_dir), 'logs')}")
+
+
+def rerun_args(megatron_args: list, *, stop_at: int | None = None, trace=None) -> list[str]:
+    """A finished run's launch line for a re-run into another directory (the localize ladder): the
+    original's output flags (run directory, checkpoints, TensorBoard, snapshots, tracing) dropped,
+    Megatron's ``--exit-interval`` stopping it after iteration ``stop_at``, and ``trace`` (a TraceConfig)
+    as tracing flags. The model, data and schedule flags stay as they were (``--train-iters`` too: the
+    learning-rate schedule depends on it)."""
+    from megatron_bitdet.trace.options import trace_flags
+
+    out, skip = [], False
+    for arg in megatron_args:
+        if skip:
+            skip = False
+            continue
+        name = arg.split("=", 1)[0]
+        if name in _OUTPUT_FLAGS:
+            skip = "=" not in arg
+            continue
+        out.append(arg)
+    if stop_at is not None:
+        out += ["--exit-interval", str(stop_at)]
+    return out + trace_flags(trace)

@@ -6,7 +6,6 @@ statistics, counterfactual changes) are called around every step."""
 from __future__ import annotations
 
 import time
-from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
@@ -17,7 +16,8 @@ from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 from megatron_bitdet.train.console import Console
 from megatron_bitdet.train.module_state import buffers_digest, capture_module_rng, generators_digest
 from megatron_bitdet.train.precision import step_digests
-from megatron_bitdet.train.step_fingerprints import buffer_digest, ddp_buffers, moe_aux_losses, step_metrics
+from megatron_bitdet.train.step_fingerprints import buffer_digest, moe_aux_losses, step_metrics
+from megatron_bitdet.train.tracing import traced_optimizer_step, traced_step, untraced
 
 
 _CURRENT = {"step": 0}
@@ -101,76 +101,6 @@ def _lm_loss(losses_reduced):
     return total[0] / total[1]
 
 
-def _optimizer_state(optimizer) -> list:
-    """Every tensor of the inner torch optimizers' state, in parameter-group order."""
-    out = []
-    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = opt.optimizer
-        for group in inner.param_groups:
-            for p in group["params"]:
-                st = inner.state.get(p, {})
-                out += [st[k] for k in sorted(st) if isinstance(st[k], torch.Tensor)]
-    return out
-
-
-@contextmanager
-def _traced_step(tracer, state, step: int):
-    """Trace this step when it lies in the window: the DDP gradient buffers are recorded right after
-    megatron's ``finalize_model_grads`` (swapped only for the step) in phase ``grad_reduce``."""
-    if tracer is None or not tracer.in_window(step):
-        yield None
-        return
-    config, finalize = state.config, state.config.finalize_model_grads_func
-
-    def traced_finalize(*args, **kwargs):
-        with tracer.phase("grad_reduce"):
-            result = finalize(*args, **kwargs)
-            tracer.event("grad_buffers", ddp_buffers(state.ddp_modules, "grad_data"), scope="ddp")
-        return result
-
-    config.finalize_model_grads_func = traced_finalize
-    try:
-        with tracer.step(step):
-            _scratch_is_uninit(tracer)
-            yield tracer
-    finally:
-        config.finalize_model_grads_func = finalize
-
-
-def _scratch_is_uninit(tracer) -> None:
-    """megatron's global memory buffer is scratch (e.g. the beta=0 operand of attention's baddbmm):
-    its contents at a step's start mean nothing, like an aten.empty output's (op-level tracking)."""
-    from megatron_bitdet.compat.buffers import scratch_buffers
-
-    for t in scratch_buffers():
-        tracer.uninit[t.data_ptr()] = None
-
-
-@contextmanager
-def _untraced(tracer):
-    """Bookkeeping (fingerprint hashing) inside a traced step is not part of the trace."""
-    if tracer is not None:
-        tracer.quiet += 1
-    try:
-        yield
-    finally:
-        if tracer is not None:
-            tracer.quiet -= 1
-
-
-def _optimizer_step(state, tracer):
-    """optimizer.step(), recorded (tracing on) as one event: params + grads before, params + state after."""
-    if tracer is None:
-        return state.optimizer.step()
-    with tracer.phase("optimizer"):
-        model = state.ddp_modules
-        before = tracer.fps([*ddp_buffers(model, "param_data"), *ddp_buffers(model, "grad_data")])
-        result = state.optimizer.step()
-        after = tracer.fps([*ddp_buffers(model, "param_data"), *_optimizer_state(state.optimizer)])
-        tracer.record("event", "optimizer.step", before, after, scope="optimizer")
-    return result
-
-
 @dataclass
 class StepOutput:
     losses: list          # megatron's per-micro-batch loss reports (empty off the last pipeline stage)
@@ -191,16 +121,16 @@ def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, dig
         m.zero_grad_buffer()
     state.optimizer.zero_grad()
     grads_digest = None
-    with _traced_step(tracer, state, step) as tr:
+    with traced_step(tracer, state.config, model, step) as tr:
         losses = forward_backward(
             forward_step_func=forward_step, data_iterator=data if batches is None else batches, model=model,
             num_microbatches=data.num_microbatches, seq_length=recipe.model.seq_length,
             micro_batch_size=recipe.training.micro_batch_size, forward_only=False,
         )
         if digest_grads:
-            with _untraced(tr):
+            with untraced(tr):
                 grads_digest = buffer_digest(model, "grad_data")
-        ok, grad_norm, _ = _optimizer_step(state, tr)
+        ok, grad_norm, _ = traced_optimizer_step(tr, state.optimizer, model)
     lr = state.optimizer.param_groups[0]["lr"]
     state.scheduler.step(increment=1)
     return StepOutput(losses, ok, grad_norm, lr, grads_digest)

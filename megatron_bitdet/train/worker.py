@@ -59,6 +59,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
     from megatron_bitdet.train.setup import setup
     from megatron_bitdet.train.module_state import restore_module_rng
     from megatron_bitdet.train.snapshot import inject_restore_faults, take_snapshot
+    from megatron_bitdet.train.tracing import make_tracer
 
     if not _ENFORCEMENT:
         enforce(rank, world_size, recipe=recipe)
@@ -109,7 +110,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
     save_interval = opts.save_interval or 0
     save_root = opts.save or (str(checkpoints_dir(run_dir)) if save_interval else None)
     stop = min(opts.stop_at or t.iterations, t.iterations)
-    tracer = _tracer(opts.trace, run_dir, rank, world_size, state, manifest)
+    tracer = make_tracer(opts.trace, run_dir, rank, world_size, state.ddp_modules, manifest["recipe_digest"])
     try:
         train_steps(state, data, run_dir=run_dir, start=start, stop=stop, save_root=save_root,
                     save_interval=save_interval, manifest=manifest, console=console,
@@ -122,18 +123,6 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
     torch.distributed.barrier()
     ps.destroy_model_parallel()
     return 0
-
-
-def _tracer(trace, run_dir: Path, rank: int, world_size: int, state, manifest: dict):
-    """This rank's Tracer over the unwrapped chunks (scopes are megatron's module paths), or None."""
-    if trace is None:
-        return None
-    from megatron_bitdet.trace import Tracer
-
-    tracer = Tracer(run_dir, rank, world_size, level=trace.level, steps=trace.steps, ranks=trace.ranks,
-                    hash=trace.hash, manifest_digest=manifest["recipe_digest"], capture=trace.capture)
-    tracer.attach([m.module for m in state.ddp_modules])
-    return tracer
 
 
 worker.before_process_group = enforce

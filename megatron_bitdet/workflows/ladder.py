@@ -2,7 +2,8 @@
 this step".
 
 compare_runs finds the first divergent step (a scope mismatch is refused, as in compare). Both runs
-are then re-launched from their manifests (resolved recipe, model provider, world size) up to that
+are then re-launched from their manifests (workflows.relaunch: a bitdet train run from its resolved
+recipe, model provider and world size; a Megatron-LM run from its script and launch line) up to that
 step, with tracing on only in a small window before it, one level at a time: semantic (which step
 and phase: gradient reduction, optimizer, collectives), module (which module), op (which dispatcher
 op). Each rung narrows the next: the steps to the rung's culprit step, and at op level the ranks to
@@ -18,7 +19,6 @@ replayed in isolation (analysis.kernel_replay) to name its mechanism.
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import threading
 from dataclasses import asdict, dataclass, field
@@ -26,11 +26,11 @@ from pathlib import Path
 
 from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.analysis.localize import BLIND_SPOT, CONTROL, PRODUCER, LocalizeConfig, localize_traces
-from megatron_bitdet.enforce.manifest import load_manifest
 from megatron_bitdet.errors import BitdetError, BitdetInputError
-from megatron_bitdet.rundir import logs_dir, manifest_path, read_result
+from megatron_bitdet.rundir import logs_dir, read_result
 from megatron_bitdet.trace import TraceConfig
 from megatron_bitdet.trace.format import LEVELS
+from megatron_bitdet.workflows.relaunch import RelaunchSpec, relaunch, relaunch_spec
 
 
 @dataclass(frozen=True)
@@ -83,51 +83,26 @@ class LadderResult:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class _Relaunch:
-    """What a run's manifest says is needed to run it again."""
-
-    recipe: object
-    nproc: int
-    model_provider: str | None
-
-
-def _relaunch_spec(run_dir) -> _Relaunch:
-    from megatron_bitdet.recipe import Recipe
-
-    m = load_manifest(run_dir)
-    argv = m.get("argv") or []
-    if "--load" in argv or any(a.startswith("--load=") for a in argv):
+def _ladder_spec(run_dir) -> RelaunchSpec:
+    """The run's re-launch spec; a run resumed from a checkpoint is refused (the ladder re-runs from iteration 0)."""
+    spec = relaunch_spec(run_dir)
+    if "--load" in spec.argv or any(a.startswith("--load=") for a in spec.argv):
+        how = "its launch line with --load ... --trace LEVEL" if spec.megatron_lm else "bitdet train --load ... --trace LEVEL"
         raise BitdetInputError(f"{run_dir}: the run resumed from a checkpoint; the ladder re-runs from "
-                               "iteration 0. Trace it yourself: bitdet train --load ... --trace LEVEL")
-    try:
-        recipe = Recipe.from_dict(m["recipe"], source=str(manifest_path(run_dir)))
-        nproc = int(m["scope"]["world_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BitdetInputError(f"{manifest_path(run_dir)}: cannot re-launch from it ({exc})") from None
-    provider = m.get("model_provider")
-    if provider:
-        from megatron_bitdet.model.builder import load_model_provider
-
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        load_model_provider(provider)  # the ranks import it from this directory too
-    return _Relaunch(recipe, nproc, provider)
+                               f"iteration 0. Trace it yourself: {how}")
+    return spec
 
 
 def _relaunch_both(specs, runs, level: str, steps: list[int], ranks, capture=None, rung=None) -> list[Path]:
     """Re-run A and B side by side with tracing on in the window; their consoles go to stderr."""
-    from megatron_bitdet.train.run import RunOptions, launch_training
-
     trace = TraceConfig(level, tuple(steps), None if ranks is None else frozenset(ranks), capture=capture)
     outs = [Path(run) / "ladder" / (rung or level) for run in runs]
     codes: list = [None, None]
 
     def one(i):
         try:
-            codes[i] = launch_training(specs[i].recipe, RunOptions(
-                nproc=specs[i].nproc, run_dir=outs[i], stop_at=steps[1], model_provider=specs[i].model_provider,
-                trace=trace, argv=("bitdet", "localize", "(ladder)", level), fresh=True))
+            codes[i] = relaunch(specs[i], outs[i], stop_at=steps[1], trace=trace,
+                                argv=("bitdet", "localize", "(ladder)", level))
         except BaseException as exc:  # reported below, in this thread
             codes[i] = exc
 
@@ -185,7 +160,7 @@ def _climb(run_a, run_b, config: LadderConfig) -> LadderResult:
         return result
     div = cmp.first_divergence
     result.first_step, result.first_ranks, result.first_metrics = div.step, div.ranks, div.metrics
-    specs = [_relaunch_spec(run_a), _relaunch_spec(run_b)]
+    specs = [_ladder_spec(run_a), _ladder_spec(run_b)]
     steps, ranks = [max(1, div.step - config.context), div.step], None
     for level in config.levels:
         for _ in range(1 + config.retries):

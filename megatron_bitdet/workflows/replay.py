@@ -15,9 +15,7 @@ bitwise up to K-1, and its loss at K is set against the previous steps' range.
 from __future__ import annotations
 
 import contextlib
-import copy
 import json
-import os
 import re
 import sys
 from dataclasses import asdict, dataclass, field
@@ -26,11 +24,11 @@ from pathlib import Path
 from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.analysis.fingerprints_io import load_run
 from megatron_bitdet.analysis.spike import load_stats, merge, rank_modules, router_load
-from megatron_bitdet.enforce.manifest import load_manifest
 from megatron_bitdet.errors import BitdetError, BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_float
 from megatron_bitdet.rundir import checkpoints_dir, iter_dir, replay_dir
 from megatron_bitdet.train.checkpoint import META
+from megatron_bitdet.workflows.relaunch import RelaunchSpec, StaleRecipe, relaunch_spec
 
 RESULT = "replay.json"
 WORKER = "megatron_bitdet.workflows.replay_worker:replay_worker"
@@ -92,40 +90,20 @@ class ReplayResult:
         return asdict(self)
 
 
-@dataclass(frozen=True)
-class _Spec:
-    recipe: object
-    nproc: int
-    model_provider: str | None
-
-
-def _spec(run_dir: Path, overrides) -> _Spec:
-    from megatron_bitdet.recipe import Recipe
-    from megatron_bitdet.recipe.loader import apply_overrides
-
-    m = load_manifest(run_dir)
+def _spec(run_dir: Path, overrides) -> RelaunchSpec:
+    """The run's re-launch spec, for a bitdet train run whose recipe validates under this version."""
     try:
-        data, nproc = copy.deepcopy(m["recipe"]), int(m["scope"]["world_size"])
-    except (KeyError, TypeError, ValueError) as exc:
-        raise BitdetInputError(f"{run_dir}/manifest.json: cannot replay from it ({exc})") from None
-    issues = apply_overrides(data, {}, overrides)
-    if issues:
-        raise BitdetInputError("\n".join(issues))
-    try:
-        recipe = Recipe.from_dict(data, source=f"{run_dir}/manifest.json")
-    except BitdetInputError as exc:
+        spec = relaunch_spec(run_dir, overrides)
+    except StaleRecipe as exc:
         from megatron_bitdet import __version__
 
-        raise BitdetInputError(f"{run_dir}/manifest.json: the run's recipe (bitdet {m.get('bitdet_version')}) does "
-                               f"not validate under bitdet {__version__}, so it cannot be replayed here:\n{exc}") from None
-    provider = m.get("model_provider")
-    if provider:
-        from megatron_bitdet.model.builder import load_model_provider
-
-        if os.getcwd() not in sys.path:
-            sys.path.insert(0, os.getcwd())
-        load_model_provider(provider)  # the ranks import it from this directory too
-    return _Spec(recipe, nproc, provider)
+        raise BitdetInputError(f"{exc.where}: the run's recipe (bitdet {exc.version}) does not validate under "
+                               f"bitdet {__version__}, so it cannot be replayed here:\n{exc.error}") from None
+    if spec.megatron_lm:
+        raise BitdetInputError(f"{run_dir}: a Megatron-LM run ({spec.script}): bitdet replay re-runs bitdet train "
+                               "runs from their checkpoints; re-launch the script with --load and --trace instead, "
+                               "or `bitdet localize` two runs")
+    return spec
 
 
 def choose_checkpoint(root: Path, at_most: int) -> tuple[int, Path | None]:
