@@ -5,6 +5,9 @@ ONE 2-rank launch builds the model once; each round runs one real training step 
 fingerprints included) per configuration, in alternating order (A B C, C B A, ...), each timed after
 a barrier; a round's time is the slowest rank's. Ratios are paired medians over rounds (each round's
 traced / untraced), so machine drift cancels. The training state advances through every step alike.
+Every step starts after an untimed ``gc.collect()``: otherwise a collection that one configuration's
+garbage triggers lands in whichever step runs next (the module-level step follows the op-level one in
+half the rounds, the untraced one never does).
 CPU time (both ranks' processes, every thread) is printed beside wall time: on a shared machine it moves
 less with other load. The 1-minute load average is printed with the figures.
 "Outside the window" (nothing installed) is checked by tests/test_trace_training.py, not timed here.
@@ -86,6 +89,8 @@ def digest_costs() -> dict:
 
 
 def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, warmup: int, profile: bool) -> int:
+    import gc
+
     import torch
     from megatron.core import parallel_state as ps
 
@@ -117,6 +122,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
 
     def one(config):
         nonlocal step
+        gc.collect()  # untimed: no step inherits the previous one's garbage
         torch.distributed.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         train_steps(state, data, run_dir=tmp / "run", start=step, stop=step + 1, save_root=None, save_interval=0,
