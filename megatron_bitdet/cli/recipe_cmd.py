@@ -25,23 +25,20 @@ def register(subparsers, summary):
     parser = subparsers.add_parser("recipe", help=summary, description="Validate or show a bitdet YAML recipe.",
                                    epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="recipe_command", metavar="ACTION", required=True)
-    validate = sub.add_parser("validate", help="check the schema and (determinism.mode) the determinism rules",
-                              description="Check every key (file:line errors, all at once) and, when "
-                              "determinism.mode is true, refuse features without a deterministic path.",
-                              epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _overrides(validate)
-    validate.set_defaults(func=run_validate)
-    show = sub.add_parser("show", help="print the fully resolved recipe (extends + overrides) as YAML",
-                          description="Print the resolved recipe: extends merged, overrides applied, defaults "
-                          "filled.", epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _overrides(show)
-    show.set_defaults(func=run_show)
-    flags = sub.add_parser("megatron-args", help="print the recipe's model/parallel/training as Megatron-LM flags",
-                           description="Render the model, parallel and training sections as pretrain_mamba.py "
-                           "flags (pass the recipe too, with --recipe, for its determinism section).",
-                           epilog=EXAMPLES, formatter_class=argparse.RawDescriptionHelpFormatter)
-    _overrides(flags)
-    flags.set_defaults(func=run_megatron_args)
+    for name, func, help_text, description in (
+        ("validate", run_validate, "check the schema and (determinism.mode) the determinism rules",
+         "Check every key (file:line errors, all at once) and, when determinism.mode is true, refuse features "
+         "without a deterministic path."),
+        ("show", run_show, "print the fully resolved recipe (extends + overrides) as YAML",
+         "Print the resolved recipe: extends merged, overrides applied, defaults filled."),
+        ("megatron-args", run_megatron_args, "print the recipe's model/parallel/training as Megatron-LM flags",
+         "Render the model, parallel and training sections as pretrain_mamba.py flags (pass the recipe too, "
+         "with --recipe, for its determinism section)."),
+    ):
+        action = sub.add_parser(name, help=help_text, description=description, epilog=EXAMPLES,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+        _overrides(action)
+        action.set_defaults(func=func)
 
 
 def summary_line(recipe) -> str:

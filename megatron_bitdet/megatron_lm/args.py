@@ -27,8 +27,9 @@ def _attr(name, default=None):
     return lambda a: getattr(a, name, default) if getattr(a, name, None) is not None else default
 
 
-def _bool_flag(flag):
-    return lambda v: [flag] if v else []
+def _switch(key: str, flag: str) -> Flag:
+    """A store_true flag: parsed under argparse's dest for it, rendered only when on."""
+    return Flag(key, flag, _attr(flag[2:].replace("-", "_"), False), lambda v: [flag] if v else [])
 
 
 def _dtype(a):
@@ -119,8 +120,7 @@ TABLE = (
     Flag("model.attention_backend", "--attention-backend", _attention_backend),
     Flag("model.mtp_num_layers", "--mtp-num-layers", _attr("mtp_num_layers", 0),
          lambda v: ["--mtp-num-layers", str(v)] if v else []),
-    Flag("model.cross_entropy_loss_fusion", "--cross-entropy-loss-fusion", _attr("cross_entropy_loss_fusion", False),
-         _bool_flag("--cross-entropy-loss-fusion")),
+    _switch("model.cross_entropy_loss_fusion", "--cross-entropy-loss-fusion"),
     Flag("model.mamba.num_heads", "--mamba-num-heads", _attr("mamba_num_heads")),
     Flag("model.mamba.head_dim", "--mamba-head-dim", _attr("mamba_head_dim")),
     Flag("model.mamba.state_dim", "--mamba-state-dim", _attr("mamba_state_dim")),
@@ -131,30 +131,24 @@ TABLE = (
     Flag("model.moe.shared_expert_ffn_hidden_size", "--moe-shared-expert-intermediate-size",
          _attr("moe_shared_expert_intermediate_size")),
     Flag("model.moe.router_score_function", "--moe-router-score-function", _attr("moe_router_score_function")),
-    Flag("model.moe.router_expert_bias", "--moe-router-enable-expert-bias",
-         _attr("moe_router_enable_expert_bias", False), _bool_flag("--moe-router-enable-expert-bias")),
+    _switch("model.moe.router_expert_bias", "--moe-router-enable-expert-bias"),
     Flag("model.moe.load_balancing", "--moe-router-load-balancing-type",
          lambda a: _first(getattr(a, "moe_router_load_balancing_type", None))),
     Flag("model.moe.aux_loss_coeff", "--moe-aux-loss-coeff", lambda a: _first(getattr(a, "moe_aux_loss_coeff", None))),
     Flag("model.moe.dispatcher", "--moe-token-dispatcher-type", _attr("moe_token_dispatcher_type")),
     Flag("model.moe.expert_impl", "--moe-grouped-gemm", _moe_expert_impl,
          lambda v: ["--moe-grouped-gemm"] if v == "te_grouped" else []),
-    Flag("model.moe.router_fusion", "--moe-router-fusion", _attr("moe_router_fusion", False),
-         _bool_flag("--moe-router-fusion")),
-    Flag("model.moe.permute_fusion", "--moe-permute-fusion", _attr("moe_permute_fusion", False),
-         _bool_flag("--moe-permute-fusion")),
+    _switch("model.moe.router_fusion", "--moe-router-fusion"),
+    _switch("model.moe.permute_fusion", "--moe-permute-fusion"),
     Flag("parallel.tensor", "--tensor-model-parallel-size", _attr("tensor_model_parallel_size")),
     Flag("parallel.pipeline", "--pipeline-model-parallel-size", _attr("pipeline_model_parallel_size")),
     Flag("parallel.expert", "--expert-model-parallel-size", _attr("expert_model_parallel_size")),
     Flag("parallel.expert_tensor", "--expert-tensor-parallel-size",
          lambda a: a.expert_tensor_parallel_size or a.tensor_model_parallel_size),
     Flag("parallel.context", "--context-parallel-size", _attr("context_parallel_size")),
-    Flag("parallel.sequence_parallel", "--sequence-parallel", _attr("sequence_parallel", False),
-         _bool_flag("--sequence-parallel")),
-    Flag("parallel.distributed_optimizer", "--use-distributed-optimizer", _attr("use_distributed_optimizer", False),
-         _bool_flag("--use-distributed-optimizer")),
-    Flag("parallel.tp_comm_overlap", "--tp-comm-overlap", _attr("tp_comm_overlap", False),
-         _bool_flag("--tp-comm-overlap")),
+    _switch("parallel.sequence_parallel", "--sequence-parallel"),
+    _switch("parallel.distributed_optimizer", "--use-distributed-optimizer"),
+    _switch("parallel.tp_comm_overlap", "--tp-comm-overlap"),
     Flag("training.iterations", "--train-iters", _attr("train_iters")),
     Flag("training.micro_batch_size", "--micro-batch-size", _attr("micro_batch_size")),
     Flag("training.global_batch_size", "--global-batch-size", _attr("global_batch_size")),
