@@ -13,12 +13,12 @@ benchmark (load on the machine between launches moves it).
 from __future__ import annotations
 
 import json
-import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import numpy as np
 
+from megatron_bitdet.rundir import fresh
 from megatron_bitdet.errors import BitdetError, BitdetInputError
 
 MODE_FLAG = "--deterministic-mode"
@@ -131,7 +131,7 @@ class MegatronRuns:
     def _launch(self, run_dir: Path, argv: list, what: str) -> None:
         from megatron_bitdet.megatron_lm.launch import launch_or_fail
 
-        shutil.rmtree(run_dir, ignore_errors=True)  # fingerprints and timings append: start empty
+        fresh(run_dir)  # fingerprints and timings append: start empty
         launch_or_fail(self.script, argv, nproc=self.nproc, run_dir=run_dir, what=what)
 
     def reference(self, run_dir: Path, steps: list[int]) -> None:

@@ -7,10 +7,10 @@ A skipped restore is Megatron-LM's own flag, passed to every resumed segment (``
 """
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from megatron_bitdet.workflows.resume import ResumeReport, check_resume_at, run_chain
+from megatron_bitdet.rundir import fresh
 from megatron_bitdet.errors import BitdetInputError
 
 SKIPPABLE = {"rng": "--no-load-rng", "optimizer": "--no-load-optim"}
@@ -57,7 +57,7 @@ def verify_megatron_resume(script: str, megatron_args: list, resume_at, *, nproc
     out_dir = Path(out_dir)
     if reference_dir is None:
         reference = out_dir / "reference"
-        shutil.rmtree(reference, ignore_errors=True)  # fingerprints append: a stale reference would mix in
+        fresh(reference)  # fingerprints append: a stale reference would mix in
         launch_or_fail(script, [*megatron_args, "--snapshot-at", ",".join(map(str, steps))], nproc=nproc,
                        run_dir=reference, what="reference run")
     else:
@@ -65,7 +65,7 @@ def verify_megatron_resume(script: str, megatron_args: list, resume_at, *, nproc
         _check_reference(reference, steps, nproc)
 
     def segment(run_dir: Path, start: int, stop: int, load_from: Path | None) -> None:
-        shutil.rmtree(run_dir, ignore_errors=True)  # fingerprints append: a stale segment would mix in
+        fresh(run_dir)  # fingerprints append: a stale segment would mix in
         argv = list(megatron_args)
         if stop != iterations:
             argv += ["--save", str(run_dir / "checkpoints"), "--save-interval", str(stop), "--exit-interval", str(stop)]
