@@ -66,6 +66,9 @@ def resolve_worker(path: str):
 
 def run_rank(worker_path: str, args, backend: str | None = None) -> int:
     """This process's rank: init the default process group, run the worker, tear the group down."""
+    from megatron_bitdet.compat.cpu_backend import eager_jit_fuser
+
+    eager_jit_fuser()  # before the worker's module can import megatron.core (no-op on a GPU)
     fn = resolve_worker(worker_path)
     import torch
     import torch.distributed as dist
