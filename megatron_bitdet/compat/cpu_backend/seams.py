@@ -35,13 +35,13 @@ def installed() -> list[str]:
 def eager_jit_fuser() -> list[str]:
     """megatron-core's ``jit_fuser`` is ``torch.compile``: on a CPU-only torch, Inductor generates C++
     for each fused function (activations, router) at its first call and builds it with the local
-    compiler for the vector ISA it detects -- seconds of CPU per rank per launch, for code outside
-    ATen's kernels. Without CUDA, bitdet's ranks run those functions eagerly (``TORCHDYNAMO_DISABLE=1``:
-    ``torch.compile`` returns the function unchanged). ``jit_fuser`` wraps at megatron-core's import, so
-    this must run first: it does nothing once ``megatron.core`` is imported, on a GPU, or when the
-    launcher set the variable itself (a launcher's value is never overwritten). Returns the seams
-    filled (``installed()`` lists it)."""
-    if not _EAGER and "megatron.core" not in sys.modules and DYNAMO_OFF not in os.environ \
+    compiler for the vector ISA it detects -- seconds of CPU per process, for code outside ATen's
+    kernels. Without CUDA those functions run eagerly (``TORCHDYNAMO_DISABLE=1``: ``torch.compile``
+    returns the function unchanged). ``jit_fuser`` wraps at megatron-core's import, so this must run
+    first: it does nothing once ``megatron.core`` is imported, on a GPU, or when the launcher set the
+    variable to another value (a launcher's value is never overwritten). Returns the seams filled
+    (``installed()`` lists it)."""
+    if not _EAGER and "megatron.core" not in sys.modules and os.environ.get(DYNAMO_OFF, "1") == "1" \
             and not torch.cuda.is_available():
         os.environ[DYNAMO_OFF] = "1"
         _EAGER.append("eager_jit_fuser")
