@@ -68,6 +68,9 @@ def resolve_worker(path: str):
 def run_rank(worker_path: str, args, backend: str | None = None, *, fresh_interpreter: bool = False) -> int:
     """This process's rank: init the default process group, run the worker, tear the group down.
     ``fresh_interpreter``: the process was started for this rank (a spawned child), see below."""
+    from megatron_bitdet.compat.cpu_backend import eager_jit_fuser
+
+    eager_jit_fuser()  # before the worker's module can import megatron.core (no-op on a GPU)
     if fresh_interpreter:
         # Startup builds millions of long-lived objects (torch, megatron-core, the worker's modules)
         # and the cyclic collector would traverse them again and again while they are built (~16% of
