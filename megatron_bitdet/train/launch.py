@@ -73,7 +73,7 @@ def run_rank(worker_path: str, args, backend: str | None = None, *, fresh_interp
     eager_jit_fuser()  # before the worker's module can import megatron.core (no-op on a GPU)
     if fresh_interpreter:
         # Startup builds millions of long-lived objects (torch, megatron-core, the worker's modules)
-        # and the cyclic collector would traverse them again and again while they are built (~16% of
+        # and the cyclic collector would traverse them again and again while they are built (~1/5 of
         # a 2-rank launch's CPU): paused until the process group exists, then those objects are
         # frozen out of every later collection; what the worker allocates is collected as usual.
         gc.disable()
