@@ -47,10 +47,7 @@ def _digest_list(xs: list) -> str:
     return '["' + body + '"]'
 
 
-def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str, ins: list, outs: list,
-                extra: dict) -> str:
-    """One record as its JSONL line: exactly ``json.dumps`` of the record dict (compact separators),
-    built from cached pieces because an op-level trace writes thousands of lines a step."""
+def _head(phase: str, scope: str, name: str, kind: str) -> tuple[str, str]:
     key = (phase, scope, name, kind)
     head = _HEADS.get(key)
     if head is None:
@@ -58,10 +55,31 @@ def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str,
             _HEADS.clear()
         head = _HEADS[key] = (f',"phase":{_js(phase)},"scope":{_js(scope)},"name":{_js(name)},"n":',
                               f',"k":{_js(kind)},"in":')
+    return head
+
+
+def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str, ins: list, outs: list,
+                extra: dict) -> str:
+    """One record as its JSONL line: exactly ``json.dumps`` of the record dict (compact separators),
+    built from cached pieces because an op-level trace writes thousands of lines a step."""
+    head = _HEADS.get((phase, scope, name, kind)) or _head(phase, scope, name, kind)
     line = f'{{"step":{step}{head[0]}{n}{head[1]}{_digest_list(ins)},"out":{_digest_list(outs)}'
     if extra:
         line += "," + json.dumps(extra, separators=(",", ":"))[1:-1]
     return line + "}"
+
+
+def op_line(step: int, phase: str, scope: str, name: str, n: int, ins: list, outs: list, flags) -> str:
+    """``record_line`` of an op record (kind "op", extra ``{"flags": flags}`` when there are flags) whose
+    digests are the tracer's own "dtype[shape]:..." strings: ASCII without quotes, backslashes or
+    control characters, so the lists need no escaping check. A digest still pending on a device
+    (a tuple, not a string) raises TypeError, as in ``record_line``."""
+    head = _HEADS.get((phase, scope, name, "op")) or _head(phase, scope, name, "op")
+    i = '["' + '","'.join(ins) + '"]' if ins else "[]"
+    o = '["' + '","'.join(outs) + '"]' if outs else "[]"
+    if flags:
+        return f'{{"step":{step}{head[0]}{n}{head[1]}{i},"out":{o},"flags":["' + '","'.join(flags) + '"]}'
+    return f'{{"step":{step}{head[0]}{n}{head[1]}{i},"out":{o}}}'
 
 
 class TraceWriter:
