@@ -256,6 +256,10 @@ def main() -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, 2 repeats, no training launches")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
+    if args.dry_run:  # as bitdet's ranks on CPU: megatron's jit_fuser functions eagerly (no Inductor C++ build)
+        from megatron_bitdet.compat.cpu_backend import eager_jit_fuser
+
+        eager_jit_fuser()
     env = Env(args.dry_run, 2 if args.dry_run else max(args.repeats, 20))
     if env.dev == "cpu" and not args.dry_run:
         print("no CUDA device: use --dry-run on CPU", file=sys.stderr)

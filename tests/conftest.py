@@ -62,3 +62,31 @@ def saved_checkpoint(reference_run) -> Path:
     corrupt it; copy it before changing anything."""
     assert reference_run.rc == 0
     return reference_run.dir / "checkpoints" / f"iter_{RESUME_AT:07d}"
+
+
+# ---------------------------------------------------------------------------- resume chains (tb)
+# Shared by test_verify_resume and test_precision_runs: a faulted chain continues from an earlier
+# chain's fresh segment instead of launching the same fresh run again.
+
+
+def faulted_chain(recipe, resume_at, faults, *, fresh_segment, reference_dir, out_dir, nproc: int = 2):
+    """verify_resume's chain with ``faults`` skipped on every restore, continuing from ``fresh_segment``
+    (an earlier chain's fresh 0 -> resume_at[0] segment of the same recipe: faults act on restores only,
+    so launching it again would repeat that run). Its outputs are compared with the reference as usual."""
+    import shutil
+
+    from megatron_bitdet.rundir import checkpoints_dir, iter_dir
+    from megatron_bitdet.workflows.resume import recipe_segment, run_chain
+
+    fresh_segment = Path(fresh_segment)
+    assert iter_dir(checkpoints_dir(fresh_segment), resume_at[0]).is_dir(), fresh_segment
+    launch = recipe_segment(recipe, nproc=nproc, faults=faults)
+
+    def segment(run_dir: Path, start: int, stop: int, load_from) -> None:
+        if start:
+            launch(run_dir, start, stop, load_from)
+        else:
+            shutil.copytree(fresh_segment, run_dir)
+
+    return run_chain(segment, name=recipe.name, steps=list(resume_at), iterations=recipe.training.iterations,
+                     nproc=nproc, out_dir=Path(out_dir), reference_dir=Path(reference_dir), faults=faults)

@@ -35,50 +35,58 @@ def _run_once(state, batch, captured):
     return [*captured], grads
 
 
-def hybrid_block(rank, world_size, *, recipe, variants, out):
-    """For each precision variant (recipe dicts; ``recipe`` is enforced): build, capture RNG (and the
-    module buffers: FP8 scaling state), run, restore both, run again, run a third time without
-    restoring (dropout draws anew: must differ)."""
+def hybrid_block(rank, world_size, *, recipe, layouts, out):
+    """For each parallel layout (name -> precision variants, recipe dicts; ``recipe`` is enforced) and
+    each precision variant: build, capture RNG (and the module buffers: FP8 scaling state), run,
+    restore both, run again, run a third time without restoring (dropout draws anew: must differ).
+    The layouts run one after another in this process, megatron's parallel state torn down between."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bitdet.compat import cpu_backend, patching
-    from megatron_bitdet.model.builder import default_model_provider, resolve_spec_family
+    from megatron_bitdet.compat import cpu_backend
     from megatron_bitdet.recipe import Recipe
-    from megatron_bitdet.train.checkpoint import capture_rng, restore_rng
-    from megatron_bitdet.train.setup import build_trainable, init_parallel
+    from megatron_bitdet.train.setup import init_parallel
 
     cpu_backend.install()
-    init_parallel(Recipe.from_dict(recipe, source="<module test>"))
     results = {}
-    for name, data in variants.items():
-        r = Recipe.from_dict(data, source=f"<module test {name}>")
-        ids = patching.select_patches(r, family=resolve_spec_family(r))
-        with patching.patched(patching.load_declarations(ids=ids)):
-            state = build_trainable(r, swaps=[], provider=default_model_provider)
-            m = r.model
-            g = torch.Generator().manual_seed(17)  # the same tokens on every rank (TP / PP need that)
-            tokens = torch.randint(0, m.vocab_size, (r.training.micro_batch_size, m.seq_length), generator=g)
-            batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1),
-                     "position_ids": torch.arange(m.seq_length).expand_as(tokens)}
-            captured = []
-            model = state.ddp_modules[0].module
-            model = getattr(model, "module", model)  # under megatron's Float16Module in bf16
-            model.decoder.register_forward_hook(
-                lambda mod, args, output: captured.append(output.detach().clone()))
-            rng = capture_rng()
-            buffers = [b.clone() for m in state.ddp_modules for b in m.module.buffers()]  # FP8 scaling state
-            first = _run_once(state, batch, captured)
-            restore_rng(rng)
-            for b, saved in zip((b for m in state.ddp_modules for b in m.module.buffers()), buffers):
-                b.copy_(saved)
-            again = _run_once(state, batch, captured)
-            fresh = _run_once(state, batch, captured)
-        results[name] = {"first": first, "again": again, "fresh": fresh,
-                         "dtypes": sorted({str(p.dtype) for p in state.ddp_modules[0].module.parameters()}),
-                         "fp8_linears": sum(hasattr(mod, "fp8_amax_history")
-                                            for mod in state.ddp_modules[0].module.modules())}
+    for layout, variants in layouts.items():
+        init_parallel(Recipe.from_dict(next(iter(variants.values())), source=f"<module test {layout}>"))
+        results[layout] = {name: _precision(Recipe.from_dict(data, source=f"<module test {layout} {name}>"))
+                           for name, data in variants.items()}
+        ps.destroy_model_parallel()
     torch.save(results, Path(out) / f"rank_{rank}.pt")
-    ps.destroy_model_parallel()
+
+
+def _precision(r) -> dict:
+    """One precision variant on the current parallel layout: first / again (RNG and buffers restored) / fresh."""
+    from megatron_bitdet.compat import patching
+    from megatron_bitdet.model.builder import default_model_provider, resolve_spec_family
+    from megatron_bitdet.train.checkpoint import capture_rng, restore_rng
+    from megatron_bitdet.train.setup import build_trainable
+
+    ids = patching.select_patches(r, family=resolve_spec_family(r))
+    with patching.patched(patching.load_declarations(ids=ids)):
+        state = build_trainable(r, swaps=[], provider=default_model_provider)
+        m = r.model
+        g = torch.Generator().manual_seed(17)  # the same tokens on every rank (TP / PP need that)
+        tokens = torch.randint(0, m.vocab_size, (r.training.micro_batch_size, m.seq_length), generator=g)
+        batch = {"tokens": tokens, "labels": torch.roll(tokens, -1, 1),
+                 "position_ids": torch.arange(m.seq_length).expand_as(tokens)}
+        captured = []
+        model = state.ddp_modules[0].module
+        model = getattr(model, "module", model)  # under megatron's Float16Module in bf16
+        model.decoder.register_forward_hook(
+            lambda mod, args, output: captured.append(output.detach().clone()))
+        rng = capture_rng()
+        buffers = [b.clone() for m in state.ddp_modules for b in m.module.buffers()]  # FP8 scaling state
+        first = _run_once(state, batch, captured)
+        restore_rng(rng)
+        for b, saved in zip((b for m in state.ddp_modules for b in m.module.buffers()), buffers):
+            b.copy_(saved)
+        again = _run_once(state, batch, captured)
+        fresh = _run_once(state, batch, captured)
+    return {"first": first, "again": again, "fresh": fresh,
+            "dtypes": sorted({str(p.dtype) for p in state.ddp_modules[0].module.parameters()}),
+            "fp8_linears": sum(hasattr(mod, "fp8_amax_history") for mod in state.ddp_modules[0].module.modules())}
 
 
 hybrid_block.before_process_group = enforce

@@ -5,6 +5,7 @@ index_put_(accumulate) nondeterminism, an order drawn inside the kernel (the pla
 a deterministic op, and differing configurations between two runs. Bad capture files exit 2."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -56,17 +57,19 @@ def test_index_put_accumulate_is_thread_order_with_a_deterministic_variant(tmp_p
     assert "captured inputs identical in both runs" in v.evidence
 
 
-def test_planted_atomic_sum_varies_inside_the_kernel(tmp_path, monkeypatch):
+def test_planted_atomic_sum_varies_inside_the_kernel(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(ROOT)  # the replay process imports the op's defining module from here
     from examples.planted_nondeterminism import atomic_sum
 
     parts = torch.randn(8, 4096, generator=torch.Generator().manual_seed(1))
     path = _capture(tmp_path / "a", lambda: atomic_sum(parts), "1/forward//bitdet_example.atomic_sum.default#0")
     assert load_capture(path)["home"] == "examples.planted_nondeterminism"
-    assert main(["replay-op", str(tmp_path / "a"), "--repeats", "10", "--threads", "1,2"]) == 0
-    v = replay_op(path, repeats=10, threads=[1, 2])
-    assert v.mechanism == "order_inside_kernel" and v.deterministic_variant == "no"
-    assert "varies on one thread too" in v.verdict
+    capsys.readouterr()
+    assert main(["replay-op", str(tmp_path / "a"), "--repeats", "10", "--threads", "1,2", "--json"]) == 0
+    v = json.loads(capsys.readouterr().out)  # the CLI's own verdict (one replay process, not two)
+    assert v["event_id"] == "1/forward//bitdet_example.atomic_sum.default#0"
+    assert v["mechanism"] == "order_inside_kernel" and v["deterministic_variant"] == "no"
+    assert "varies on one thread too" in v["verdict"]
 
 
 def test_deterministic_op_and_differing_configurations(tmp_path):

@@ -1,14 +1,16 @@
 """`bitdet localize` on real traces: a planted order-dependent sum, a cross-rank receiver, bad input."""
+import contextlib
+import io
 import json
 import random
-import subprocess
-import sys
+import types
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from megatron_bitdet.analysis.localize import LocalizeConfig, localize_traces
+from megatron_bitdet.cli import main
 from megatron_bitdet.trace import Tracer, trace_path
 
 _ORDER_SEED = {"seed": 0}
@@ -50,8 +52,12 @@ def run_planted(run_dir, order_seed, rank=0, world=1):
 
 
 def bitdet(*args):
-    return subprocess.run([sys.executable, "-m", "megatron_bitdet", "localize", *map(str, args)],
-                          capture_output=True, text=True, timeout=120)
+    """`bitdet localize ARGS` in this process (the CLI's own main; an uncaught exception fails the test as
+    a traceback would): its exit code and what it printed."""
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["localize", *map(str, args)])
+    return types.SimpleNamespace(returncode=rc, stdout=out.getvalue(), stderr=err.getvalue())
 
 
 def test_identical_runs_have_no_mismatch(tmp_path):

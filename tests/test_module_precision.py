@@ -2,7 +2,8 @@
 RNG under TP2 (+SP), EP2 and PP2, in fp32, bf16 and emulated FP8 (delayed scaling, bf16 params);
 outputs and every gradient compared byte for byte. Dropout is on, so the repeat only matches when
 the RNG really is restored: a third run that does not restore it must differ (the check can fail).
-One 2-rank launch per layout builds all three precisions."""
+One 2-rank launch builds every layout (one after another, megatron's parallel state rebuilt between)
+and all three precisions on each."""
 import os
 from pathlib import Path
 
@@ -36,24 +37,25 @@ def _bits(t: torch.Tensor) -> bytes:
     return t.detach().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
-@pytest.fixture(scope="module", params=list(LAYOUTS))
-def layout_results(request, tmp_path_factory):
-    layout = request.param
-    out = tmp_path_factory.mktemp(f"block_{layout}")
+@pytest.fixture(scope="module")
+def block_results(tmp_path_factory):
+    """Rank -> layout -> precision -> results, from one launch."""
+    out = tmp_path_factory.mktemp("block")
     recipe = str(ROOT / "recipes" / "nemotron_h_tiny.yaml")
-    variants = {p: load_recipe(recipe, [*BLOCK, *LAYOUTS[layout], *o]).to_dict() for p, o in PRECISIONS.items()}
+    layouts = {layout: {p: load_recipe(recipe, [*BLOCK, *LAYOUTS[layout], *o]).to_dict() for p, o in PRECISIONS.items()}
+               for layout in LAYOUTS}
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
     rc = launch("precision_workers:hybrid_block", 2,
-                {"recipe": variants["fp32"], "variants": variants, "out": str(out)}, run_dir=out / "run", env=env)
+                {"recipe": layouts["tp2"]["fp32"], "layouts": layouts, "out": str(out)}, run_dir=out / "run", env=env)
     assert rc == 0, (out / "run").as_posix()
-    return layout, [torch.load(out / f"rank_{r}.pt", weights_only=True) for r in range(2)]
+    return [torch.load(out / f"rank_{r}.pt", weights_only=True) for r in range(2)]
 
 
 @pytest.mark.parametrize("precision", list(PRECISIONS))
-def test_block_repeats_bitwise(layout_results, precision):
-    layout, ranks = layout_results
-    for rank, results in enumerate(ranks):
-        res = results[precision]
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_block_repeats_bitwise(block_results, layout, precision):
+    for rank, results in enumerate(block_results):
+        res = results[layout][precision]
         assert res["dtypes"] == PARAM_DTYPE[precision]
         assert (res["fp8_linears"] > 0) == (precision == "fp8")
         (out1, grads1), (out2, grads2), (out3, _) = res["first"], res["again"], res["fresh"]

@@ -3,7 +3,8 @@ and emulated FP8 (delayed scaling, bf16 params) are bitwise equal independently 
 2-restore resume chain, with the fp32 source, the bf16 compute copy and the FP8 scaling state checked
 after every restore; a restore that rounds the compute copy another way, or drops the amax history,
 is caught by name. Per configuration one `bitdet verify-resume` invocation as the README writes it
-(reference + 2-restore chain) and one independent twin, shared by this module."""
+(reference + 2-restore chain) and one independent twin, shared by this module; the negative controls
+continue from the FP8 chain's fresh segment (0 -> 2)."""
 import io
 import json
 from contextlib import redirect_stdout
@@ -12,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import faulted_chain
 from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.cli import main
 from megatron_bitdet.recipe import load_recipe
 from megatron_bitdet.train.run import RunOptions, launch_training
-from megatron_bitdet.workflows.resume import verify_resume
 
 ROOT = Path(__file__).resolve().parents[1]
 ITERATIONS = ["training.iterations=4"]
@@ -99,9 +100,9 @@ def test_compute_copy_rounded_another_way_and_dropped_fp8_state_are_named(runs, 
     optimizer): the bf16 copy rebuilt from the fp32 source rounding toward zero instead of training's
     nearest-even conversion, and the FP8 amax history / scales left as a fresh model has them. Each
     is named as its own component; the fp32 source itself is intact."""
-    recipe, reference, _, _ = runs("fp8")
-    report = verify_resume(recipe, [2], nproc=2, out_dir=tmp_path, reference_dir=reference,
-                           faults=["compute_copy.rounding", "fp8.amax_history"])
+    recipe, reference, _, chain = runs("fp8")
+    report = faulted_chain(recipe, [2], ["compute_copy.rounding", "fp8.amax_history"],
+                           fresh_segment=chain["points"][0]["run_dir"], reference_dir=reference, out_dir=tmp_path)
     assert not report.holds
     fresh, resumed = report.points
     # The amax history is also a module buffer, so every-buffer check names it too.

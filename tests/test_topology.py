@@ -19,25 +19,26 @@ import numpy as np
 import pytest
 
 from conftest import RECIPE
+from megatron_bitdet.cli import main as bitdet
 from megatron_bitdet.recipe import load_recipe
+from megatron_bitdet.train.run import RunOptions, launch_training
 from megatron_bitdet.workflows.tax import NATIVE_REDUCTIONS, measure_tax
 
-BITDET = [sys.executable, "-m", "megatron_bitdet"]
 # 4 ranks on 2 cores: one thread each; warm-up off so 2 steps both train at full lr.
 OVERRIDES = ["training.iterations=2", "training.lr_schedule.warmup_iters=0", "determinism.threads=1"]
 
 
 def _train(run_dir: Path, reductions: str, ring: str | None) -> Path:
-    # OMP_NUM_THREADS is in the validation scope; torchrun sets it to 1, so the one-node runs do too.
-    env = {k: v for k, v in os.environ.items() if k != "BITDET_EMULATED_RING"} | {"OMP_NUM_THREADS": "1"}
-    if ring is not None:
-        env["BITDET_EMULATED_RING"] = ring
-    proc = subprocess.run(
-        [*BITDET, "train", "--recipe", str(RECIPE), "--nproc", "4", "--run-dir", str(run_dir),
-         *OVERRIDES, f"determinism.reductions={reductions}"],
-        env=env, capture_output=True, text=True, timeout=600,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    """One 4-rank run launched from this process (what `bitdet train --nproc 4` does, without another
+    interpreter start): the ranks get this environment with the ring set or removed."""
+    recipe = load_recipe(str(RECIPE), [*OVERRIDES, f"determinism.reductions={reductions}"])
+    with pytest.MonkeyPatch.context() as mp:
+        # OMP_NUM_THREADS is in the validation scope; torchrun sets it to 1, so the one-node runs do too.
+        mp.setenv("OMP_NUM_THREADS", "1")
+        mp.delenv("BITDET_EMULATED_RING", raising=False)
+        if ring is not None:
+            mp.setenv("BITDET_EMULATED_RING", ring)
+        assert launch_training(recipe, RunOptions(nproc=4, run_dir=run_dir)) == 0, run_dir / "logs"
     return run_dir
 
 
@@ -47,8 +48,12 @@ def _fingerprints(run_dir: Path) -> list[bytes]:
     return [f.read_bytes() for f in files]
 
 
-def _compare(a: Path, b: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([*BITDET, "compare", str(a), str(b)], capture_output=True, text=True, timeout=120)
+def _compare(a: Path, b: Path, capsys) -> tuple[int, str]:
+    """`bitdet compare A B` (in-process): exit code and everything it printed."""
+    capsys.readouterr()
+    rc = bitdet(["compare", str(a), str(b)])
+    out = capsys.readouterr()
+    return rc, out.out + out.err
 
 
 @pytest.fixture(scope="module")
@@ -60,19 +65,19 @@ def ring_runs(tmp_path_factory):
     )}
 
 
-def test_ordinary_reduction_bits_follow_the_ring(ring_runs):
+def test_ordinary_reduction_bits_follow_the_ring(ring_runs, capsys):
     a, b = _fingerprints(ring_runs["native_ring1"]), _fingerprints(ring_runs["native_ring2"])
     assert all(x != y for x, y in zip(a, b)), "travel-order sums gave the same bits on two rings"
     # Same recipe, another ring: with native reductions placement is in the scope, so it is refused.
-    proc = _compare(ring_runs["native_ring1"], ring_runs["native_ring2"])
-    assert proc.returncode == 2 and "placement" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    rc, out = _compare(ring_runs["native_ring1"], ring_runs["native_ring2"], capsys)
+    assert rc == 2 and "placement" in out, out
 
 
-def test_invariant_reduction_bits_ignore_the_ring(ring_runs):
+def test_invariant_reduction_bits_ignore_the_ring(ring_runs, capsys):
     a, b = _fingerprints(ring_runs["invariant_ring1"]), _fingerprints(ring_runs["invariant_ring2"])
     assert a == b
-    proc = _compare(ring_runs["invariant_ring1"], ring_runs["invariant_ring2"])
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rc, out = _compare(ring_runs["invariant_ring1"], ring_runs["invariant_ring2"], capsys)
+    assert rc == 0, out
     manifest = json.loads((ring_runs["invariant_ring1"] / "manifest.json").read_text())
     assert "placement" not in manifest["scope"]
     record = next(p for p in manifest["patches"] if p["id"] == "topology_invariant_reductions")
@@ -121,7 +126,7 @@ def two_nodes():
             subprocess.run(["ip", "netns", "del", n], check=False, capture_output=True)
 
 
-def test_two_nodes_through_torchrun_equal_one_node(ring_runs, two_nodes, tmp_path):
+def test_two_nodes_through_torchrun_equal_one_node(ring_runs, two_nodes, tmp_path, capsys):
     nodes, master = two_nodes
     run_dir = tmp_path / "two_nodes"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
@@ -147,8 +152,8 @@ def test_two_nodes_through_torchrun_equal_one_node(ring_runs, two_nodes, tmp_pat
     manifest = json.loads((run_dir / "manifest.json").read_text())
     ranks = manifest["placement"]["ranks"]
     assert len(ranks) == 4 and sorted(r["local_rank"] for r in ranks) == [0, 0, 1, 1] and all(r["host"] for r in ranks)
-    proc = _compare(ring_runs["invariant_ring1"], run_dir)
-    assert proc.returncode == 0, proc.stdout + proc.stderr
+    rc, out = _compare(ring_runs["invariant_ring1"], run_dir, capsys)
+    assert rc == 0, out
 
 
 def test_tax_reports_the_invariant_reductions_cost(tmp_path):

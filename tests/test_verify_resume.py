@@ -1,6 +1,7 @@
 """verify-resume on real 2-rank gloo training: a correct chain holds; restores that skip a
 component (test-only fault injection in the worker) are named by component, rank, key and the
-first step whose outputs differ. One reference run is shared by every test of this module.
+first step whose outputs differ. One reference run and one correct chain are shared by every test of
+this module; the faulted chains continue from the correct chain's fresh segment (0 -> 2).
 
 The shared recipe has dropout on (attention and hidden): attention dropout draws from megatron's
 tracker ("model-parallel-rng" fork) and hidden dropout from the default torch generator, so a
@@ -16,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import faulted_chain
 from megatron_bitdet.workflows.resume import bitwise_equal, check_resume_at, run_reference, verify_resume
 from megatron_bitdet.cli import main
 from megatron_bitdet.errors import BitdetInputError
@@ -40,8 +42,13 @@ def reference(recipe, tmp_path_factory):
     return run_reference(recipe, [2, 3, 4], nproc=2, run_dir=tmp_path_factory.mktemp("vr") / "reference")
 
 
-def test_correct_chain_holds_component_by_component(recipe, reference, tmp_path):
-    report = verify_resume(recipe, [2, 4], nproc=2, out_dir=tmp_path, reference_dir=reference)
+@pytest.fixture(scope="module")
+def correct_chain(recipe, reference, tmp_path_factory):
+    return verify_resume(recipe, [2, 4], nproc=2, out_dir=tmp_path_factory.mktemp("chain"), reference_dir=reference)
+
+
+def test_correct_chain_holds_component_by_component(correct_chain):
+    report = correct_chain
     assert report.holds, report.summary()
     assert report.first_output_divergence == {2: None, 4: None}
     assert [p.steps_compared for p in report.points] == [[1, 2], [3, 4], [5, 6]]
@@ -59,8 +66,9 @@ def test_correct_chain_holds_component_by_component(recipe, reference, tmp_path)
     ("rng.tracker", "rng.tracker", "model-parallel-rng", "rng_not_restored"),
     ("data", "data", "consumed_samples", "data_position_not_restored"),
 ])
-def test_skipped_restore_is_named(recipe, reference, tmp_path, fault, component, key, cause, capsys):
-    report = verify_resume(recipe, [3], nproc=2, out_dir=tmp_path, reference_dir=reference, faults=[fault])
+def test_skipped_restore_is_named(recipe, reference, correct_chain, tmp_path, fault, component, key, cause, capsys):
+    report = faulted_chain(recipe, [2], [fault], fresh_segment=correct_chain.points[0].run_dir,
+                           reference_dir=reference, out_dir=tmp_path)
     assert not report.holds
     fresh, resumed = report.points
     assert fresh.holds  # the segment before any restore matches the reference
@@ -68,8 +76,8 @@ def test_skipped_restore_is_named(recipe, reference, tmp_path, fault, component,
     bad = report.failures
     assert {c.rank for c in bad} == {0, 1}
     assert any(c.key == key for c in bad), [c.key for c in bad]
-    assert report.first_output_divergence == {3: 4} and resumed.diverged_steps == [4, 5, 6]
-    assert f"{component} differs" in report.summary() and "first differ at step 4" in report.summary()
+    assert report.first_output_divergence == {2: 3} and resumed.diverged_steps == [3, 4, 5, 6]
+    assert f"{component} differs" in report.summary() and "first differ at step 3" in report.summary()
     # the doctor reads the saved report: the catalog entry for the skipped restore ranks first
     assert main(["doctor", str(tmp_path)]) == 1
     out = capsys.readouterr().out
@@ -78,15 +86,12 @@ def test_skipped_restore_is_named(recipe, reference, tmp_path, fault, component,
     assert f"restored state differs: {component}" in out and "first divergent step: after_restore" in out
 
 
-def test_cli_skipped_optimizer_moment_exits_1_with_json(reference, tmp_path):
-    proc = subprocess.run(
-        [sys.executable, "-m", "megatron_bitdet", "verify-resume", "--recipe", RECIPE, "--resume-at", "3",
-         "--out", str(tmp_path), "--reference", str(reference), "--json",
-         "--fault-skip-restore", "optimizer.exp_avg", *OVERRIDES],
-        capture_output=True, text=True, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=280,
-    )
-    assert proc.returncode == 1, proc.stderr[-3000:]
-    out = json.loads(proc.stdout[proc.stdout.index("{\n"):])
+def test_cli_skipped_optimizer_moment_exits_1_with_json(reference, tmp_path, capsys):
+    rc = main(["verify-resume", "--recipe", RECIPE, "--resume-at", "3", "--out", str(tmp_path), "--reference",
+               str(reference), "--json", "--fault-skip-restore", "optimizer.exp_avg", *OVERRIDES])
+    captured = capsys.readouterr()
+    assert rc == 1, captured.err[-3000:]
+    out = json.loads(captured.out[captured.out.index("{\n"):])
     assert out["holds"] is False and out["first_output_divergence"] == {"3": 4}
     bad = [c for c in out["checks"] if not c["equal"]]
     assert {c["component"] for c in bad} == {"optimizer"}

@@ -25,6 +25,7 @@ own ``--log-dir``/``--tee`` handle logs.
 from __future__ import annotations
 
 import collections
+import gc
 import importlib
 import json
 import os
@@ -64,21 +65,36 @@ def resolve_worker(path: str):
     return fn
 
 
-def run_rank(worker_path: str, args, backend: str | None = None) -> int:
-    """This process's rank: init the default process group, run the worker, tear the group down."""
-    fn = resolve_worker(worker_path)
-    import torch
-    import torch.distributed as dist
+def run_rank(worker_path: str, args, backend: str | None = None, *, fresh_interpreter: bool = False) -> int:
+    """This process's rank: init the default process group, run the worker, tear the group down.
+    ``fresh_interpreter``: the process was started for this rank (a spawned child), see below."""
+    from megatron_bitdet.compat.cpu_backend import eager_jit_fuser
 
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    before = getattr(fn, "before_process_group", None)
-    if before is not None:  # e.g. determinism enforcement: must precede communicator creation
-        before(rank, world, **args) if isinstance(args, dict) else before(rank, world, *args)
-    if not getattr(fn, "owns_process_group", False):  # e.g. Megatron-LM's initialize creates its own
-        dist.init_process_group(backend, rank=rank, world_size=world)
+    eager_jit_fuser()  # before the worker's module can import megatron.core (no-op on a GPU)
+    if fresh_interpreter:
+        # Startup builds millions of long-lived objects (torch, megatron-core, the worker's modules)
+        # and the cyclic collector would traverse them again and again while they are built (~1/5 of
+        # a 2-rank launch's CPU): paused until the process group exists, then those objects are
+        # frozen out of every later collection; what the worker allocates is collected as usual.
+        gc.disable()
+    try:
+        fn = resolve_worker(worker_path)
+        import torch
+        import torch.distributed as dist
+
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
+        if backend == "nccl":
+            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+        before = getattr(fn, "before_process_group", None)
+        if before is not None:  # e.g. determinism enforcement: must precede communicator creation
+            before(rank, world, **args) if isinstance(args, dict) else before(rank, world, *args)
+        if not getattr(fn, "owns_process_group", False):  # e.g. Megatron-LM's initialize creates its own
+            dist.init_process_group(backend, rank=rank, world_size=world)
+    finally:
+        if fresh_interpreter:
+            gc.freeze()
+            gc.enable()
     result = fn(rank, world, **args) if isinstance(args, dict) else fn(rank, world, *args)
     # Teardown only on success: destroying the group while raising would make the peers fail
     # first and hide which rank was the culprit (the launcher names the first rank to exit).
@@ -217,7 +233,7 @@ def launch(worker_fn_path: str, nproc: int, args, *, backend: str | None = None,
 def _child_main(argv: list[str]) -> int:
     worker_path, args_json, backend = argv
     try:
-        return run_rank(worker_path, json.loads(args_json), backend or None)
+        return run_rank(worker_path, json.loads(args_json), backend or None, fresh_interpreter=True)
     except BitdetError as exc:
         print(f"rank {os.environ.get('RANK')}: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

@@ -246,6 +246,17 @@ def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_pr
     reference_dir = Path(reference_dir)
     _check_reference(reference_dir, recipe, steps, nproc)
 
+    return run_chain(recipe_segment(recipe, nproc=nproc, model_provider=model_provider, faults=faults),
+                     name=recipe.name, steps=steps, iterations=iterations, nproc=nproc,
+                     out_dir=out_dir, reference_dir=reference_dir, faults=faults)
+
+
+def recipe_segment(recipe, *, nproc: int, model_provider=None, faults=()):
+    """``run_chain``'s segment launcher for ``bitdet train`` runs: a fresh launch that restores
+    ``start`` (skipping ``faults``; a fresh start restores nothing), trains to ``stop`` and saves there."""
+    iterations = recipe.training.iterations
+    faults = _check_faults(faults)
+
     def segment(run_dir: Path, start: int, stop: int, load_from: Path | None) -> None:
         last = stop == iterations
         _launch(recipe, run_dir, f"segment {start}->{stop}", nproc=nproc, model_provider=model_provider,
@@ -253,8 +264,7 @@ def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_pr
                 load=None if load_from is None else str(iter_dir(checkpoints_dir(load_from), start)),
                 snapshot_at=[start] if start else [], fault_skip_restore=faults if start else [])
 
-    return run_chain(segment, name=recipe.name, steps=steps, iterations=iterations, nproc=nproc,
-                     out_dir=out_dir, reference_dir=reference_dir, faults=faults)
+    return segment
 
 
 def run_chain(segment, *, name: str, steps: list[int], iterations: int, nproc: int, out_dir: Path,

@@ -5,6 +5,6 @@ module fills exactly those, only when CUDA is unavailable, and refuses to run ag
 megatron-core version it was not written for: a silent half-working backend would put wrong
 numbers into every bitwise claim. On a GPU ``install()`` does nothing.
 """
-from megatron_bitdet.compat.cpu_backend.seams import install, installed
+from megatron_bitdet.compat.cpu_backend.seams import eager_jit_fuser, install, installed
 
-__all__ = ["install", "installed"]
+__all__ = ["eager_jit_fuser", "install", "installed"]

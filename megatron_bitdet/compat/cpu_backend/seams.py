@@ -9,6 +9,7 @@ import contextlib
 import importlib
 import importlib.util
 import inspect
+import os
 import sys
 import textwrap
 import types
@@ -22,11 +23,29 @@ from megatron_bitdet.compat.versions import MEGATRON_CORE, describe, supports
 from megatron_bitdet.errors import BitdetError
 
 _INSTALLED: list[str] = []
+_EAGER: list[str] = []  # eager_jit_fuser, when it applied in this process
+DYNAMO_OFF = "TORCHDYNAMO_DISABLE"
 
 
 def installed() -> list[str]:
     """Names of the seams filled in this process (empty on a GPU)."""
-    return list(_INSTALLED)
+    return _EAGER + _INSTALLED
+
+
+def eager_jit_fuser() -> list[str]:
+    """megatron-core's ``jit_fuser`` is ``torch.compile``: on a CPU-only torch, Inductor generates C++
+    for each fused function (activations, router) at its first call and builds it with the local
+    compiler for the vector ISA it detects -- seconds of CPU per process, for code outside ATen's
+    kernels. Without CUDA those functions run eagerly (``TORCHDYNAMO_DISABLE=1``: ``torch.compile``
+    returns the function unchanged). ``jit_fuser`` wraps at megatron-core's import, so this must run
+    first: it does nothing once ``megatron.core`` is imported, on a GPU, or when the launcher set the
+    variable to another value (a launcher's value is never overwritten). Returns the seams filled
+    (``installed()`` lists it)."""
+    if not _EAGER and "megatron.core" not in sys.modules and os.environ.get(DYNAMO_OFF, "1") == "1" \
+            and not torch.cuda.is_available():
+        os.environ[DYNAMO_OFF] = "1"
+        _EAGER.append("eager_jit_fuser")
+    return installed()
 
 
 def install(*, force: bool = False) -> list[str]:
