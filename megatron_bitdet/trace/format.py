@@ -37,14 +37,10 @@ def _js(s: str) -> str:
 
 
 def _digest_list(xs: list) -> str:
-    if not xs:
-        return "[]"
-    body = '","'.join(xs)
-    # json.dumps escapes only quotes, backslashes, control and non-ASCII characters: the joined
-    # body holds exactly the separators' quotes when no digest string needs escaping
-    if body.count('"') != 2 * len(xs) - 2 or "\\" in body or not (body.isascii() and body.isprintable()):
-        return json.dumps(xs, separators=(",", ":"))
-    return '["' + body + '"]'
+    """``json.dumps(xs)`` of a list of the tracer's digest strings ("dtype[shape]:...", "...:uninit"):
+    they are ASCII made of names, digits, brackets, commas and colons, so no character needs
+    escaping. A digest still pending on a device (a tuple, not a string) raises TypeError."""
+    return '["' + '","'.join(xs) + '"]' if xs else "[]"
 
 
 def _head(phase: str, scope: str, name: str, kind: str) -> tuple[str, str]:
@@ -70,16 +66,10 @@ def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str,
 
 
 def op_line(step: int, phase: str, scope: str, name: str, n: int, ins: list, outs: list, flags) -> str:
-    """``record_line`` of an op record (kind "op", extra ``{"flags": flags}`` when there are flags) whose
-    digests are the tracer's own "dtype[shape]:..." strings: ASCII without quotes, backslashes or
-    control characters, so the lists need no escaping check. A digest still pending on a device
-    (a tuple, not a string) raises TypeError, as in ``record_line``."""
+    """``record_line`` of an op record: kind "op", extra ``{"flags": flags}`` when there are flags."""
     head = _HEADS.get((phase, scope, name, "op")) or _head(phase, scope, name, "op")
-    i = '["' + '","'.join(ins) + '"]' if ins else "[]"
-    o = '["' + '","'.join(outs) + '"]' if outs else "[]"
-    if flags:
-        return f'{{"step":{step}{head[0]}{n}{head[1]}{i},"out":{o},"flags":["' + '","'.join(flags) + '"]}'
-    return f'{{"step":{step}{head[0]}{n}{head[1]}{i},"out":{o}}}'
+    line = f'{{"step":{step}{head[0]}{n}{head[1]}{_digest_list(ins)},"out":{_digest_list(outs)}'
+    return line + (',"flags":' + _digest_list(flags) + "}" if flags else "}")
 
 
 class TraceWriter:
