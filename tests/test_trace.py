@@ -236,3 +236,7 @@ def test_op_records_equal_hashing_every_tensor_in_full(tmp_path):
     got = [(r["name"], r["in"], r["out"]) for r in records(tmp_path)[1] if not r["name"].startswith("aten.empty")]
     assert len(got) > 40 and got == [(n, i, o) for n, i, o in ref.records]
     assert any(n == "aten.view.default" for n, _, _ in got) and any(n == "aten._unsafe_view.default" for n, _, _ in got)
+    lines = trace_path(tmp_path, 0).read_text().splitlines()[1:]
+    # each line is built from cached pieces without json.dumps: it must be exactly json.dumps's output
+    assert lines == [json.dumps(json.loads(x), separators=(",", ":")) for x in lines]
+    assert any(":s" in x for x in lines)  # layout tags among them

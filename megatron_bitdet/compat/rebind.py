@@ -11,9 +11,16 @@ import sys
 from contextlib import contextmanager
 
 
+_MODULES: list = [(), []]  # (sys.modules' keys when last scanned, the megatron.core modules then)
+
+
 def megatron_modules() -> list:
-    """Every imported ``megatron.core`` module."""
-    return [m for n, m in list(sys.modules.items()) if n.startswith("megatron.core") and m is not None]
+    """Every imported ``megatron.core`` module. The tracer asks once per traced step; the scan of
+    sys.modules is redone only when its keys changed (comparing the key tuples is C-speed)."""
+    keys = tuple(sys.modules)
+    if keys != _MODULES[0]:
+        _MODULES[:] = keys, [m for n, m in list(sys.modules.items()) if n.startswith("megatron.core") and m is not None]
+    return list(_MODULES[1])
 
 
 _SITES: dict = {}

@@ -17,6 +17,7 @@ HASHES = ("fast", "exact", "xor")
 _CHAR_ARRAYS: dict[int, type] = {}
 _PREFIXES: dict = {}
 _SPANS: dict = {}
+_LAYOUTS: dict = {}
 _STRIDED = torch.strided
 _NODES = torch.utils._pytree.SUPPORTED_NODES
 _xxh = xxhash.xxh3_64_hexdigest
@@ -62,18 +63,48 @@ def prefix(t: torch.Tensor) -> str:
 
 def fast(t: torch.Tensor):
     """``digest(t, "fast")``, the hot path of op tracing: for a contiguous CPU tensor a few attribute
-    reads and one xxh3 call over its bytes."""
+    reads and one xxh3 call over its bytes; a permuted dense layout (a transpose) is recognised from
+    its (shape, stride), cached, and hashed in memory order the same way."""
     p = _PREFIXES.get((t.dtype, t.shape)) or prefix(t)
     n = t.nbytes
     if not n:
         return p + "empty"
     if not t.is_cpu:
         return (p, pos_digest_tensor(t))
-    if t.is_contiguous() and not (t.is_conj() or t.is_neg()):
-        key = (t.data_ptr(), n)
-        return p + _xxh(_SPANS.get(key) or _span(*key))
+    if not (t.is_conj() or t.is_neg()):
+        if t.is_contiguous():
+            key = (t.data_ptr(), n)
+            return p + _xxh(_SPANS.get(key) or _span(*key))
+        shape, stride = t.shape, t.stride()
+        tag = _LAYOUTS.get((shape, stride))
+        if tag is None:
+            tag = _layout(shape, stride)
+        if tag:
+            key = (t.data_ptr(), n)
+            return p + tag + _xxh(_SPANS.get(key) or _span(*key))
     t, layout = _dense_view(t)
     return p + layout + _xxh(_host_buffer(t))
+
+
+def span_tag(t: torch.Tensor) -> str | None:
+    """What ``fast`` puts between prefix and hex when it hashes ``t``'s own memory span in memory order
+    ("" contiguous, "s<strides>:" a permuted dense layout), or None when it hashes anything else (a
+    gapped or broadcast view, a conjugate / negative view, a device tensor)."""
+    if not t.is_cpu or t.is_conj() or t.is_neg():
+        return None
+    if t.is_contiguous():
+        return ""
+    shape, stride = t.shape, t.stride()
+    tag = _LAYOUTS.get((shape, stride))
+    return (_layout(shape, stride) if tag is None else tag) or None
+
+
+def _layout(shape, stride) -> str:
+    """The cached permuted-dense tag of a non-contiguous (shape, stride), "" when it has none."""
+    if len(_LAYOUTS) > 65536:
+        _LAYOUTS.clear()
+    tag = _LAYOUTS[(shape, stride)] = "" if 0 in stride else _permuted_tag(shape, stride)
+    return tag
 
 
 def digest(t: torch.Tensor, mode: str):
@@ -100,12 +131,19 @@ def _dense_view(t: torch.Tensor) -> tuple[torch.Tensor, str]:
         return t, ""
     if 0 in t.stride():
         t = t.as_strided([1 if st == 0 else sz for sz, st in zip(t.shape, t.stride())], t.stride())
+    tag = _permuted_tag(t.shape, t.stride())
+    return (t, tag) if tag else (t.contiguous(), "")
+
+
+def _permuted_tag(shape, stride) -> str:
+    """"s<strides>:" when the dims of size > 1, ordered by stride, tile memory without gaps (a
+    permutation of a contiguous layout: its span holds exactly the values); "" otherwise."""
     expected = 1
-    for st, sz in sorted((st, sz) for st, sz in zip(t.stride(), t.shape) if sz != 1):
+    for st, sz in sorted((st, sz) for st, sz in zip(stride, shape) if sz != 1):
         if st != expected:
-            return t.contiguous(), ""
+            return ""
         expected *= sz
-    return t, f"s{','.join(map(str, t.stride()))}:"
+    return f"s{','.join(map(str, stride))}:"
 
 
 def resolve(items: list) -> None:
@@ -123,15 +161,22 @@ def resolve(items: list) -> None:
 
 
 def flat_tensors(args, kwargs) -> list[torch.Tensor]:
-    """``trace_tensors((args, kwargs))`` without the pytree walk for the usual arguments (tensors and
-    scalars); containers and registered pytree nodes still go through the pytree, so the result is
-    the same list."""
+    """``trace_tensors((args, kwargs))`` without the pytree walk for the usual arguments (tensors,
+    scalars and plain lists of them, e.g. sizes); other containers and registered pytree nodes still
+    go through the pytree, so the result is the same list."""
     out = []
     for group in (args, kwargs.values() if kwargs else ()):
         for a in group:
             if isinstance(a, torch.Tensor):
                 if a.layout is _STRIDED and not a.is_meta:
                     out.append(a)
+            elif type(a) is list or type(a) is tuple:
+                for x in a:
+                    if isinstance(x, torch.Tensor):
+                        if x.layout is _STRIDED and not x.is_meta:
+                            out.append(x)
+                    elif isinstance(x, (list, tuple, dict)) or type(x) in _NODES:
+                        out += trace_tensors(x)
             elif isinstance(a, (list, tuple, dict)) or type(a) in _NODES:
                 out += trace_tensors(a)
     return out

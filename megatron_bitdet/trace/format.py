@@ -37,20 +37,13 @@ def _js(s: str) -> str:
 
 
 def _digest_list(xs: list) -> str:
-    if not xs:
-        return "[]"
-    body = '","'.join(xs)
-    # json.dumps escapes only quotes, backslashes, control and non-ASCII characters: the joined
-    # body holds exactly the separators' quotes when no digest string needs escaping
-    if body.count('"') != 2 * len(xs) - 2 or "\\" in body or not (body.isascii() and body.isprintable()):
-        return json.dumps(xs, separators=(",", ":"))
-    return '["' + body + '"]'
+    """``json.dumps(xs)`` of a list of the tracer's digest strings ("dtype[shape]:...", "...:uninit"):
+    they are ASCII made of names, digits, brackets, commas and colons, so no character needs
+    escaping. A digest still pending on a device (a tuple, not a string) raises TypeError."""
+    return '["' + '","'.join(xs) + '"]' if xs else "[]"
 
 
-def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str, ins: list, outs: list,
-                extra: dict) -> str:
-    """One record as its JSONL line: exactly ``json.dumps`` of the record dict (compact separators),
-    built from cached pieces because an op-level trace writes thousands of lines a step."""
+def _head(phase: str, scope: str, name: str, kind: str) -> tuple[str, str]:
     key = (phase, scope, name, kind)
     head = _HEADS.get(key)
     if head is None:
@@ -58,10 +51,25 @@ def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str,
             _HEADS.clear()
         head = _HEADS[key] = (f',"phase":{_js(phase)},"scope":{_js(scope)},"name":{_js(name)},"n":',
                               f',"k":{_js(kind)},"in":')
+    return head
+
+
+def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str, ins: list, outs: list,
+                extra: dict) -> str:
+    """One record as its JSONL line: exactly ``json.dumps`` of the record dict (compact separators),
+    built from cached pieces because an op-level trace writes thousands of lines a step."""
+    head = _HEADS.get((phase, scope, name, kind)) or _head(phase, scope, name, kind)
     line = f'{{"step":{step}{head[0]}{n}{head[1]}{_digest_list(ins)},"out":{_digest_list(outs)}'
     if extra:
         line += "," + json.dumps(extra, separators=(",", ":"))[1:-1]
     return line + "}"
+
+
+def op_line(step: int, phase: str, scope: str, name: str, n: int, ins: list, outs: list, flags) -> str:
+    """``record_line`` of an op record: kind "op", extra ``{"flags": flags}`` when there are flags."""
+    head = _HEADS.get((phase, scope, name, "op")) or _head(phase, scope, name, "op")
+    line = f'{{"step":{step}{head[0]}{n}{head[1]}{_digest_list(ins)},"out":{_digest_list(outs)}'
+    return line + (',"flags":' + _digest_list(flags) + "}" if flags else "}")
 
 
 class TraceWriter:

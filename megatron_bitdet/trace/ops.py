@@ -15,7 +15,7 @@ from torch import Tensor
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from megatron_bitdet.trace.digest import digest, fast, flat_tensors, prefix
+from megatron_bitdet.trace.digest import digest, fast, flat_tensors, prefix, span_tag
 
 # collectives are recorded by the torch.distributed wrappers at completion, not at launch
 _SKIP_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional", "profiler"})
@@ -65,21 +65,21 @@ def _written(info: _OpInfo, args, kwargs) -> list:
     return flat_tensors(written, None)
 
 
-def _dense(t) -> bool:
-    return t.is_contiguous() and not (t.is_conj() or t.is_neg())
-
-
 def _same_span(t, in_t: list, ins: list) -> str | None:
-    """A view op's output over exactly the bytes of a contiguous input hashed just before the op:
-    the same hex under the output's prefix (those bytes are what hashing them again would read; no
-    asynchronous collective is in flight when this is used)."""
+    """A view op's output over exactly the memory span of an input hashed just before the op, both
+    laid out so that ``fast`` hashes that span in memory order (contiguous or a permuted dense layout
+    such as a transpose): the input's hex under the output's prefix and layout tag (those bytes are
+    what hashing the output would read; no asynchronous collective is in flight when this is used)."""
     n = t.nbytes
-    if not n or not _dense(t):
+    if not n:
+        return None
+    tag = span_tag(t)
+    if tag is None:
         return None
     ptr = t.data_ptr()
     for src, d in zip(in_t, ins):
-        if src.data_ptr() == ptr and src.nbytes == n and src.is_cpu and t.is_cpu and _dense(src):
-            return prefix(t) + d[-16:]
+        if src.data_ptr() == ptr and src.nbytes == n and span_tag(src) is not None:
+            return prefix(t) + tag + d[-16:]
     return None
 
 

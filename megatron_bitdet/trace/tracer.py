@@ -14,7 +14,7 @@ from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.trace import collectives, hooks, ops
 from megatron_bitdet.trace.capture import DEFAULT_MAX_BYTES, OpCapture
 from megatron_bitdet.trace.digest import HASHES, digest, release_spans, resolve, trace_tensors
-from megatron_bitdet.trace.format import LEVELS, TraceWriter, event_id, record_line, trace_path
+from megatron_bitdet.trace.format import LEVELS, TraceWriter, event_id, op_line, record_line, trace_path
 
 _FLUSH_EVERY = 4096
 _NO_EXTRA: dict = {}
@@ -164,7 +164,7 @@ class Tracer:
         self._append((self._step, ph, sc, name, n, kind, ins, outs, extra))
 
     def record_op(self, name: str, ins: list, outs: list, flags: list | None) -> None:
-        """``record("op", ...)`` for the dispatch mode: the same record, fewer calls per op."""
+        """``record("op", ...)`` for the dispatch mode: the same record, built as its line at once."""
         ph = self._phase[-1]
         if torch._C._current_autograd_node() is not None:
             ph, sc = ("backward" if ph == "forward" else ph), self.bwd_scope
@@ -174,7 +174,13 @@ class Tracer:
         counts = self._counts
         n = counts.get(key, 0)
         counts[key] = n + 1
-        self._append((self._step, ph, sc, name, n, "op", ins, outs, {"flags": flags} if flags else _NO_EXTRA))
+        buf = self._buf
+        try:
+            buf.append(op_line(self._step, ph, sc, name, n, ins, outs, flags))
+        except TypeError:  # a digest pending on a device: the flush resolves it
+            buf.append((self._step, ph, sc, name, n, "op", ins, outs, {"flags": flags} if flags else _NO_EXTRA))
+        if len(buf) >= _FLUSH_EVERY:
+            self.flush()
 
     def _append(self, rec: tuple) -> None:
         """Buffer a record as its finished line when every digest is a string: the buffer then holds
