@@ -25,6 +25,7 @@ own ``--log-dir``/``--tee`` handle logs.
 from __future__ import annotations
 
 import collections
+import contextlib
 import gc
 import importlib
 import json
@@ -65,19 +66,31 @@ def resolve_worker(path: str):
     return fn
 
 
+@contextlib.contextmanager
+def collector_paused():
+    """A rank's startup (torch, megatron-core and the worker's modules, the model) builds millions of
+    long-lived objects, and the cyclic collector would traverse them again and again while they are
+    built (about a fifth of a tiny 2-rank launch's CPU). Paused for the block, then everything that
+    exists is frozen out of later collections; what the rank allocates afterwards is collected as usual."""
+    if not gc.isenabled():  # inside another pause: that one freezes and resumes
+        yield
+        return
+    gc.disable()
+    try:
+        yield
+    finally:
+        gc.freeze()
+        gc.enable()
+
+
 def run_rank(worker_path: str, args, backend: str | None = None, *, fresh_interpreter: bool = False) -> int:
     """This process's rank: init the default process group, run the worker, tear the group down.
-    ``fresh_interpreter``: the process was started for this rank (a spawned child), see below."""
+    ``fresh_interpreter``: the process was started for this rank (a spawned child): its startup runs
+    with the cyclic collector paused (:func:`collector_paused`)."""
     from megatron_bitdet.compat.cpu_backend import eager_jit_fuser
 
     eager_jit_fuser()  # before the worker's module can import megatron.core (no-op on a GPU)
-    if fresh_interpreter:
-        # Startup builds millions of long-lived objects (torch, megatron-core, the worker's modules)
-        # and the cyclic collector would traverse them again and again while they are built (~1/5 of
-        # a 2-rank launch's CPU): paused until the process group exists, then those objects are
-        # frozen out of every later collection; what the worker allocates is collected as usual.
-        gc.disable()
-    try:
+    with collector_paused() if fresh_interpreter else contextlib.nullcontext():
         fn = resolve_worker(worker_path)
         import torch
         import torch.distributed as dist
@@ -91,10 +104,6 @@ def run_rank(worker_path: str, args, backend: str | None = None, *, fresh_interp
             before(rank, world, **args) if isinstance(args, dict) else before(rank, world, *args)
         if not getattr(fn, "owns_process_group", False):  # e.g. Megatron-LM's initialize creates its own
             dist.init_process_group(backend, rank=rank, world_size=world)
-    finally:
-        if fresh_interpreter:
-            gc.freeze()
-            gc.enable()
     result = fn(rank, world, **args) if isinstance(args, dict) else fn(rank, world, *args)
     # Teardown only on success: destroying the group while raising would make the peers fail
     # first and hide which rank was the culprit (the launcher names the first rank to exit).

@@ -46,43 +46,46 @@ def enforced() -> tuple:
 def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=()) -> int:
     """``options``: ``train.run.RunOptions.to_json()``; ``hooks``: ``train.loop.StepHook`` objects, from a
     rank entry that wraps this one in-process (replay)."""
-    from megatron.core import parallel_state as ps
+    from megatron_bitdet.train.launch import collector_paused
 
-    from megatron_bitdet.enforce import build_manifest, write_manifest
-    from megatron_bitdet.enforce.manifest import gather_placement
-    from megatron_bitdet.model.builder import load_model_provider
-    from megatron_bitdet.rundir import checkpoints_dir, fingerprints_dir
-    from megatron_bitdet.train import checkpoint
-    from megatron_bitdet.train.data import build_train_data
-    from megatron_bitdet.train.loop import train_steps
-    from megatron_bitdet.train.run import RunOptions
-    from megatron_bitdet.train.setup import setup
-    from megatron_bitdet.train.module_state import restore_module_rng
-    from megatron_bitdet.train.snapshot import inject_restore_faults, take_snapshot
-    from megatron_bitdet.train.tracing import make_tracer
+    with collector_paused():  # imports, model, data: long-lived objects
+        from megatron.core import parallel_state as ps
 
-    if not _ENFORCEMENT:
-        enforce(rank, world_size, recipe=recipe)
-    recipe, enforcement = enforced()
-    opts = RunOptions.from_json(options)
-    provider = load_model_provider(opts.model_provider)
-    state = setup(recipe, enforcement, provider=provider)
-    run_dir = Path(opts.run_dir)
-    manifest = build_manifest(
-        recipe, enforcement, world_size=world_size, argv=None if opts.argv is None else list(opts.argv),
-        placement=gather_placement(), model_provider=opts.model_provider,
-        extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams,
-               "model_provider": opts.model_provider, "trace": options["trace"]},
-    )
-    if rank == 0:
-        write_manifest(run_dir, manifest)
-    t = recipe.training
-    dp_size = ps.get_data_parallel_world_size()
-    data = build_train_data(
-        recipe.data, seq_length=recipe.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size, dp_rank=ps.get_data_parallel_rank(), dp_size=dp_size,
-        train_samples=t.iterations * t.global_batch_size,
-    )
+        from megatron_bitdet.enforce import build_manifest, write_manifest
+        from megatron_bitdet.enforce.manifest import gather_placement
+        from megatron_bitdet.model.builder import load_model_provider
+        from megatron_bitdet.rundir import checkpoints_dir, fingerprints_dir
+        from megatron_bitdet.train import checkpoint
+        from megatron_bitdet.train.data import build_train_data
+        from megatron_bitdet.train.loop import train_steps
+        from megatron_bitdet.train.run import RunOptions
+        from megatron_bitdet.train.setup import setup
+        from megatron_bitdet.train.module_state import restore_module_rng
+        from megatron_bitdet.train.snapshot import inject_restore_faults, take_snapshot
+        from megatron_bitdet.train.tracing import make_tracer
+
+        if not _ENFORCEMENT:
+            enforce(rank, world_size, recipe=recipe)
+        recipe, enforcement = enforced()
+        opts = RunOptions.from_json(options)
+        provider = load_model_provider(opts.model_provider)
+        state = setup(recipe, enforcement, provider=provider)
+        run_dir = Path(opts.run_dir)
+        manifest = build_manifest(
+            recipe, enforcement, world_size=world_size, argv=None if opts.argv is None else list(opts.argv),
+            placement=gather_placement(), model_provider=opts.model_provider,
+            extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams,
+                   "model_provider": opts.model_provider, "trace": options["trace"]},
+        )
+        if rank == 0:
+            write_manifest(run_dir, manifest)
+        t = recipe.training
+        dp_size = ps.get_data_parallel_world_size()
+        data = build_train_data(
+            recipe.data, seq_length=recipe.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
+            global_batch_size=t.global_batch_size, dp_rank=ps.get_data_parallel_rank(), dp_size=dp_size,
+            train_samples=t.iterations * t.global_batch_size,
+        )
     console = Console(active=rank == world_size - 1, total=t.iterations)
     start = 0
     snapshot_at = set(opts.snapshot_at)
