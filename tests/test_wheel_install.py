@@ -66,9 +66,11 @@ def test_readme_install_block_and_guard_file_in_a_fresh_venv(tmp_path):
         scratch = Path(scratch)
         src, venv, work = _source_copy(scratch / "src"), scratch / "venv", tmp_path / "work"
         work.mkdir()
-        _run([sys.executable, "-m", "venv", venv], cwd=scratch, env=os.environ)
+        # pip installs without byte-compiling every file it unpacks (torch's thousands): the
+        # interpreter compiles what it imports, once, when it first imports it.
+        _run([sys.executable, "-m", "venv", venv], cwd=scratch, env={**os.environ, "PIP_NO_COMPILE": "1"})
         env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
-        env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv))
+        env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv), PIP_NO_COMPILE="1")
         python = venv / "bin" / "python"
 
         out = _run(["bash", "-euo", "pipefail", "-c", readme_block("Installing into an existing Megatron environment",
