@@ -74,6 +74,22 @@ def test_module_level_records_forward_and_backward(tmp_path):
     assert all(r["in"] and r["out"] for r in fwd)
 
 
+def test_tensor_hooks_leave_with_their_step(tmp_path):
+    """A module input that lives across traced steps (here a leaf needing grad) carries no hook of an
+    earlier step: each step records the same module events, and nothing stays registered."""
+    torch.manual_seed(0)
+    model, x = Block(), torch.randn(4, 8, requires_grad=True)
+    with Tracer(tmp_path, 0, 1, level="module") as tr:
+        tr.attach(model)
+        for step in (1, 2, 3):
+            with tr.step(step):
+                model(x).sum().backward()
+            assert not x._backward_hooks
+    recs = records(tmp_path)[1]
+    per_step = [[(r["phase"], r["scope"], r["name"], r["n"]) for r in recs if r["step"] == s] for s in (1, 2, 3)]
+    assert per_step[0] and per_step[0] == per_step[1] == per_step[2]
+
+
 def test_inputs_are_fingerprinted_before_inplace_ops(tmp_path):
     x = torch.ones(4)
     with Tracer(tmp_path, 0, 1, level="op", steps=(1, 1)) as tr:

@@ -30,6 +30,7 @@ class _ModuleHooks:
         self.inputs: dict[str, list] = {}     # name -> stack of input fingerprints (re-entrant calls)
         self.grad_out: dict[str, list] = {}   # name -> grad_output fingerprints awaiting the grad_input
         self.handles = []
+        self.tensor_handles = []              # tensor hooks: removed with the module hooks
 
     def install(self) -> None:
         for name, mod in self.tr.modules:
@@ -39,6 +40,9 @@ class _ModuleHooks:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
+        for h in self.tensor_handles:  # a tensor living across steps would keep calling this step's hooks
+            h.remove()
+        self.tensor_handles.clear()
         for name, fps in self.grad_out.items():  # modules whose inputs need no grad (the first layer)
             if fps:
                 self.tr.record("module", "backward", fps, [], phase="backward", scope=name)
@@ -55,7 +59,8 @@ class _ModuleHooks:
             if torch.is_grad_enabled():
                 for t in tensors:
                     if t.requires_grad:
-                        t.register_hook(self._grad_in(name, parent, _claim(t, "_bitdet_in", self)))
+                        self.tensor_handles.append(
+                            t.register_hook(self._grad_in(name, parent, _claim(t, "_bitdet_in", self))))
         return hook
 
     def _post(self, name):
@@ -69,7 +74,7 @@ class _ModuleHooks:
             if torch.is_grad_enabled():
                 for t in tensors:
                     if t.requires_grad:
-                        t.register_hook(self._grad_out(name, _claim(t, "_bitdet_out", self)))
+                        self.tensor_handles.append(t.register_hook(self._grad_out(name, _claim(t, "_bitdet_out", self))))
         return hook
 
     def _grad_out(self, name, sets_scope):
