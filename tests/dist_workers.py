@@ -3,6 +3,7 @@ import json
 import multiprocessing
 import os
 import signal
+import time
 from pathlib import Path
 
 import torch
@@ -38,6 +39,14 @@ def sigkill_on(rank, world_size, bad_rank):
     if rank == bad_rank:
         os.kill(os.getpid(), signal.SIGKILL)
     dist.barrier()
+
+
+def fail_then_peer_killed(rank, world_size):
+    """The race a killed rank can lose: its peer's error exit is seen first, its SIGKILL a moment later."""
+    if rank == 0:
+        raise RuntimeError("peer vanished")
+    time.sleep(0.3)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def build_data(rank, world_size, cache_dir, out, max_bytes, steps):

@@ -56,6 +56,13 @@ def test_killed_rank_is_named(tmp_path, capfd):
     assert "rank 1 of 2 failed (killed by signal SIGKILL)" in err
 
 
+@pytest.mark.timeout(90)
+def test_killed_rank_is_named_when_its_exit_is_seen_second(capfd):
+    rc = launch("dist_workers:fail_then_peer_killed", 2, [], env=_env())
+    err = capfd.readouterr().err
+    assert rc == 128 + 9 and "rank 1 of 2 failed (killed by signal SIGKILL)" in err
+
+
 @pytest.mark.timeout(60)
 def test_bad_worker_path_is_input_error(capfd):
     assert launch("dist_workers:no_such_function", 1, {}, env=_env()) == 2

@@ -36,6 +36,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 from megatron_bitdet.errors import BitdetError, BitdetInputError
@@ -43,6 +44,7 @@ from megatron_bitdet.rundir import log_path, logs_dir
 
 TAIL_LINES = 20
 TERMINATE_GRACE_S = 5.0
+CULPRIT_GRACE_S = 1.0
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 
@@ -188,9 +190,10 @@ def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank)
                          log_path(run_dir, r) if run_dir is not None else None, console=r == console_rank % nproc)
             ranks.append(rank)
             threading.Thread(target=lambda k=rank: exits.put((k, k.proc.wait())), daemon=True).start()
-        for _ in range(nproc):  # exit order as it happens: the first failure is the culprit
+        for i in range(nproc):  # exit order as it happens: the first failure is the culprit
             rank, rc = exits.get()
             if rc != 0:
+                rank, rc = _culprit(rank, rc, exits, nproc - i - 1)
                 _report(rank, rc, nproc, run_dir)
                 return rc if rc > 0 else 128 - rc
         return 0
@@ -206,6 +209,22 @@ def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank)
                     k.proc.wait()
         for k in ranks:
             k.close()
+
+
+def _culprit(rank: _Rank, rc: int, exits: queue.Queue, running: int) -> tuple[_Rank, int]:
+    """The failed rank to name: the first failure seen, unless another rank was killed by a signal
+    within a moment of it. A rank killed outright (the OOM killer's SIGKILL, a segfault) takes its
+    peers down with a collective error, and which of those exits the waiting threads report first
+    is a race the killed rank can lose."""
+    deadline = time.monotonic() + CULPRIT_GRACE_S
+    for _ in range(running if rc > 0 else 0):
+        try:
+            other, code = exits.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
+            break
+        if code < 0 and code != -signal.SIGABRT:  # an abort is how a C++ collective error exits
+            return other, code
+    return rank, rc
 
 
 def _report(rank: _Rank, rc: int, nproc: int, run_dir) -> None:
