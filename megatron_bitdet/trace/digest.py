@@ -71,17 +71,10 @@ def fast(t: torch.Tensor):
         return p + "empty"
     if not t.is_cpu:
         return (p, pos_digest_tensor(t))
-    if not (t.is_conj() or t.is_neg()):
-        if t.is_contiguous():
-            key = (t.data_ptr(), n)
-            return p + _xxh(_SPANS.get(key) or _span(*key))
-        shape, stride = t.shape, t.stride()
-        tag = _LAYOUTS.get((shape, stride))
-        if tag is None:
-            tag = _layout(shape, stride)
-        if tag:
-            key = (t.data_ptr(), n)
-            return p + tag + _xxh(_SPANS.get(key) or _span(*key))
+    tag = span_tag(t)
+    if tag is not None:
+        key = (t.data_ptr(), n)
+        return p + tag + _xxh(_SPANS.get(key) or _span(*key))
     t, layout = _dense_view(t)
     return p + layout + _xxh(_host_buffer(t))
 

@@ -43,7 +43,9 @@ def _digest_list(xs: list) -> str:
     return '["' + '","'.join(xs) + '"]' if xs else "[]"
 
 
-def _head(phase: str, scope: str, name: str, kind: str) -> tuple[str, str]:
+def _line(step: int, phase: str, scope: str, name: str, n: int, kind: str, ins: list, outs: list) -> str:
+    """A record's line up to its extra fields and closing brace, from the cached head of (phase, scope,
+    name, kind)."""
     key = (phase, scope, name, kind)
     head = _HEADS.get(key)
     if head is None:
@@ -51,15 +53,14 @@ def _head(phase: str, scope: str, name: str, kind: str) -> tuple[str, str]:
             _HEADS.clear()
         head = _HEADS[key] = (f',"phase":{_js(phase)},"scope":{_js(scope)},"name":{_js(name)},"n":',
                               f',"k":{_js(kind)},"in":')
-    return head
+    return f'{{"step":{step}{head[0]}{n}{head[1]}{_digest_list(ins)},"out":{_digest_list(outs)}'
 
 
 def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str, ins: list, outs: list,
                 extra: dict) -> str:
     """One record as its JSONL line: exactly ``json.dumps`` of the record dict (compact separators),
     built from cached pieces because an op-level trace writes thousands of lines a step."""
-    head = _HEADS.get((phase, scope, name, kind)) or _head(phase, scope, name, kind)
-    line = f'{{"step":{step}{head[0]}{n}{head[1]}{_digest_list(ins)},"out":{_digest_list(outs)}'
+    line = _line(step, phase, scope, name, n, kind, ins, outs)
     if extra:
         line += "," + json.dumps(extra, separators=(",", ":"))[1:-1]
     return line + "}"
@@ -67,8 +68,7 @@ def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str,
 
 def op_line(step: int, phase: str, scope: str, name: str, n: int, ins: list, outs: list, flags) -> str:
     """``record_line`` of an op record: kind "op", extra ``{"flags": flags}`` when there are flags."""
-    head = _HEADS.get((phase, scope, name, "op")) or _head(phase, scope, name, "op")
-    line = f'{{"step":{step}{head[0]}{n}{head[1]}{_digest_list(ins)},"out":{_digest_list(outs)}'
+    line = _line(step, phase, scope, name, n, "op", ins, outs)
     return line + (',"flags":' + _digest_list(flags) + "}" if flags else "}")
 
 
