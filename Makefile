@@ -10,6 +10,7 @@ $(STAMP): pyproject.toml setup.py
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[test]'
+	$(BIN)/python -m megatron_bitdet.trace.native  # build the native op tracer now, not in the first traced run
 	touch $(STAMP)
 
 install: $(STAMP)

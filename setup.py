@@ -9,5 +9,5 @@ setup(
     packages=find_namespace_packages(include=["megatron_bitdet", "megatron_bitdet.*"],
                                      exclude=["*.__pycache__"]) + list(SHIPPED),
     package_dir=SHIPPED,
-    package_data={name: ["*.yaml"] for name in SHIPPED},
+    package_data={**{name: ["*.yaml"] for name in SHIPPED}, "megatron_bitdet.trace.native": ["*.cpp"]},
 )

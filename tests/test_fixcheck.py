@@ -73,9 +73,9 @@ def fixed(base, localized):
 def test_localize_ends_with_the_kernel_rung_verdict(localized, base):
     rc, out = localized
     assert rc == 1, out
-    assert "culprit: aten.index_put.default in module embedding.word_embeddings" in out
+    assert "culprit: aten._index_put_impl_.default in module embedding.word_embeddings" in out
     kernel = next(line for line in out.splitlines() if line.startswith("kernel:"))
-    assert "aten.index_put.default (accumulate) — " in kernel
+    assert "aten._index_put_impl_.default (accumulate, unsafe) — " in kernel
     assert "at 1 thread" in kernel and "depends on thread scheduling" in kernel
     assert "torch has a deterministic variant" in kernel
     assert "[parallel_accumulation_thread_order]" in out
@@ -89,7 +89,7 @@ def test_fixcheck_validates_classifies_and_measures_the_fix(fixed):
     rc, out, result = fixed
     assert rc == 0, out
     assert "original diverges, fixed matches" in out
-    assert "original diverges (step 1, aten.index_put.default), fixed matches bitwise over 2 steps" in out
+    assert "original diverges (step 1, aten._index_put_impl_.default), fixed matches bitwise over 2 steps" in out
     assert "fix:       corrects the implementation" in out
     assert result["kind"] == "corrects" and [c["key"] for c in result["changes"]] == ["determinism.mode"]
     assert result["fixed"]["matched"] and all(p["complete"] and p["steps_compared"] == 2 for p in result["fixed"]["pairs"])

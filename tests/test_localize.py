@@ -11,7 +11,7 @@ import torch.multiprocessing as mp
 
 from megatron_bitdet.analysis.localize import LocalizeConfig, localize_traces
 from megatron_bitdet.cli import main
-from megatron_bitdet.trace import Tracer, trace_path
+from megatron_bitdet.trace import Tracer, native, trace_path
 
 _ORDER_SEED = {"seed": 0}
 
@@ -165,6 +165,18 @@ def test_bad_traces_exit_2_naming_the_file(tmp_path):
     path.unlink()
     proc = bitdet(tmp_path / "a", tmp_path / "b")
     assert proc.returncode == 2 and "rank_00000.trace.jsonl" in proc.stderr
+
+
+def test_traces_of_different_op_tracers_are_refused(tmp_path, monkeypatch):
+    """A Python dispatch mode makes torch take other paths (functional index_add / scatter_add, view for
+    reshape, cloned gradients) than the native tracer sees: aligning their records would report
+    control divergences that are not there."""
+    run_planted(tmp_path / "a", 1)
+    monkeypatch.setenv(native.ENV, "python")
+    run_planted(tmp_path / "b", 1)
+    proc = bitdet(tmp_path / "a", tmp_path / "b")
+    assert proc.returncode == 2, proc.stdout
+    assert f"{trace_path(tmp_path / 'b', 0)}:1: op_tracer 'python' differs" in proc.stderr
 
 
 def test_a_producer_on_one_rank_beats_a_false_alarm_on_another(tmp_path):

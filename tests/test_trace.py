@@ -2,11 +2,12 @@
 import json
 import os
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from megatron_bitdet.trace import Tracer, open_trace, trace_path
+from megatron_bitdet.trace import Tracer, native, open_trace, trace_path
 
 
 class Block(torch.nn.Module):
@@ -105,13 +106,14 @@ def test_tracing_off_installs_nothing(tmp_path):
     orig = dist.all_reduce
     tr = Tracer(tmp_path, 0, 1, level="op", steps=(5, 6))
     tr.attach(model)
+    mod = native.load()
     with tr.step(1):
         assert not model._forward_pre_hooks and not model._forward_hooks
-        assert dist.all_reduce is orig and torch._C._len_torch_dispatch_stack() == 0
+        assert dist.all_reduce is orig and torch._C._len_torch_dispatch_stack() == 0 and not mod.installed()
         model(torch.ones(2))
     with tr.step(5):
-        assert model._forward_pre_hooks and dist.all_reduce is not orig
-    assert not model._forward_pre_hooks and dist.all_reduce is orig
+        assert model._forward_pre_hooks and dist.all_reduce is not orig and mod.installed()
+    assert not model._forward_pre_hooks and dist.all_reduce is orig and not mod.installed()
     tr.close()
     _, recs = records(tmp_path)
     assert {r["step"] for r in recs} == {5} or recs == []
@@ -241,16 +243,48 @@ class _HashEverything(torch.utils._python_dispatch.TorchDispatchMode):
         return out
 
 
-def test_op_records_equal_hashing_every_tensor_in_full(tmp_path):
-    """The dispatch mode's shortcuts (cached byte spans, a view's output hex taken from the input it
-    aliases) write exactly what hashing every input and output in full writes."""
+def test_native_op_tracer_is_built_here(tmp_path):
+    """A CPU machine with a compiler traces ops natively: a failed build must fail here, not leave every
+    other test silently on the Python dispatch mode."""
+    assert native.load() is not None, native.why()
+    with Tracer(tmp_path, 0, 1, level="op") as tr:
+        assert tr.op_tracer == "native"
+    assert open_trace(trace_path(tmp_path, 0)).header["op_tracer"] == "native"
+
+
+def test_native_digests_equal_python_digests():
+    from megatron_bitdet.trace.digest import digest
+
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 5, 4, generator=g)
+    c = torch.randn(3, dtype=torch.complex64, generator=g)
+    cases = [base, base.transpose(0, 2), base.permute(1, 2, 0), base[:, 1:3], base[::2], base[:, :1].expand(6, 7, 4),
+             torch.randn(3, generator=g).expand(4, 3), torch.tensor(3.5), torch.empty(0, 3), torch.rand(5) > 0.5,
+             base.bfloat16(), torch.arange(10), c.conj(), c.conj().imag, torch.randn(1, 4).t(), base[:, 2, :],
+             torch.randn(4, 4).diagonal(), torch.randn(8).to(torch.float8_e4m3fn), torch.arange(12).view(3, 4).t()]
+    mod = native.load()
+    got = [mod.digest(t) for t in cases]
+    assert got == [digest(t, "fast") for t in cases] and len(set(got)) == len(cases)
+
+
+@pytest.mark.parametrize("op_tracer", ["native", "python"])
+def test_op_records_equal_hashing_every_tensor_in_full(tmp_path, monkeypatch, op_tracer):
+    """Each tracer's shortcuts (cached byte spans, a view's output hex taken from the input it aliases)
+    write exactly what hashing every input and output in full writes. The reference is a Python
+    dispatch mode; on this program the native tracer's stream differs from a mode's only in
+    ``aten.detach`` records (the Parameter's creation, autograd's detach of a non-differentiable view),
+    which that comparison leaves out."""
+    if op_tracer == "python":
+        monkeypatch.setenv(native.ENV, "python")
     with _HashEverything() as ref:
         _aliasing_program()
     with Tracer(tmp_path, 0, 1, level="op") as tr:
+        assert tr.op_tracer == op_tracer
         with tr.step(1):
             _aliasing_program()
-    got = [(r["name"], r["in"], r["out"]) for r in records(tmp_path)[1] if not r["name"].startswith("aten.empty")]
-    assert len(got) > 40 and got == [(n, i, o) for n, i, o in ref.records]
+    skip = ("aten.empty",) + (("aten.detach",) if op_tracer == "native" else ())
+    got = [(r["name"], r["in"], r["out"]) for r in records(tmp_path)[1] if not r["name"].startswith(skip)]
+    assert len(got) > 40 and got == [(n, i, o) for n, i, o in ref.records if not n.startswith(skip)]
     assert any(n == "aten.view.default" for n, _, _ in got) and any(n == "aten._unsafe_view.default" for n, _, _ in got)
     lines = trace_path(tmp_path, 0).read_text().splitlines()[1:]
     # each line is built from cached pieces without json.dumps: it must be exactly json.dumps's output

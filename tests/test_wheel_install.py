@@ -29,7 +29,10 @@ from megatron_bitdet.compat.versions import MEGATRON_CORE
 assert version("megatron-bitdet") == megatron_bitdet.__version__
 pins = [Requirement(r) for r in requires("megatron-bitdet") if Requirement(r).name == "megatron-core"]
 assert [p.specifier for p in pins] == [MEGATRON_CORE], pins  # the metadata says what the code enforces
-print(sysconfig.get_paths()["purelib"], megatron_bitdet.__file__, resources.shipped_dir("patches"))
+from megatron_bitdet.trace import native
+assert native.SOURCE.is_file()  # the native op tracer's source ships (it is built on first use)
+print(sysconfig.get_paths()["purelib"], megatron_bitdet.__file__, resources.shipped_dir("patches"),
+      native.SOURCE)
 """
 
 

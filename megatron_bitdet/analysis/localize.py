@@ -295,7 +295,7 @@ def _check_headers(run_a, run_b, ranks: list[int]) -> list[str]:
         for h, run in ((ha, run_a), (hb, run_b)):
             if h["rank"] != r:
                 raise BitdetInputError(f"{trace_path(run, r)}:1: header says rank {h['rank']}")
-        for key in ("world_size", "level", "hash", "steps"):
+        for key in ("world_size", "level", "hash", "steps", "op_tracer"):
             if ha.get(key) != hb.get(key):
                 raise BitdetInputError(f"{trace_path(run_b, r)}:1: {key} {hb.get(key)!r} differs from "
                                        f"{trace_path(run_a, r)} ({ha.get(key)!r}): traces not comparable")

@@ -90,12 +90,11 @@ def _completion(tracer, name, out_tensors, peer, where, flags=()):
     """A callback recording outputs at completion; registers the buffers as in flight until then."""
     ptrs = [t.data_ptr() for t in out_tensors]
     for p in ptrs:
-        tracer.inflight[p] = name
+        tracer.in_flight(p, name)
 
     def done():
         for p in ptrs:
-            tracer.inflight.pop(p, None)
-            tracer.uninit.pop(p, None)
+            tracer.landed(p)
         if tracer.active:
             extra = {"flags": list(flags)} if flags else {}
             tracer.record("coll", name, where[2], tracer.fps(out_tensors), phase=where[0], scope=where[1],

@@ -27,7 +27,8 @@ _JSON_STRINGS: dict[str, str] = {}
 _HEADS: dict[tuple, tuple[str, str]] = {}
 
 
-def _js(s: str) -> str:
+def json_str(s: str) -> str:
+    """``json.dumps(s)``, cached: scopes and names repeat in every record."""
     v = _JSON_STRINGS.get(s)
     if v is None:
         if len(_JSON_STRINGS) > 65536:
@@ -51,8 +52,8 @@ def _line(step: int, phase: str, scope: str, name: str, n: int, kind: str, ins: 
     if head is None:
         if len(_HEADS) > 65536:
             _HEADS.clear()
-        head = _HEADS[key] = (f',"phase":{_js(phase)},"scope":{_js(scope)},"name":{_js(name)},"n":',
-                              f',"k":{_js(kind)},"in":')
+        head = _HEADS[key] = (f',"phase":{json_str(phase)},"scope":{json_str(scope)},"name":{json_str(name)},'
+                              f'"n":', f',"k":{json_str(kind)},"in":')
     return f'{{"step":{step}{head[0]}{n}{head[1]}{_digest_list(ins)},"out":{_digest_list(outs)}'
 
 

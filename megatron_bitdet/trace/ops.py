@@ -1,5 +1,9 @@
-"""Operator tracing with TorchDispatchMode: inputs fingerprinted BEFORE the op (in-place ops mutate
-them), outputs after, plus flags the analysis needs to rule out read artifacts.
+"""Operator tracing: inputs fingerprinted BEFORE the op (in-place ops mutate them), outputs after,
+plus flags the analysis needs to rule out read artifacts.
+
+Two tracers write the same record format: the native one (``native/op_trace.cpp``, a C++ dispatcher
+fallback, no Python per op) on CPU-only machines with the default ``fast`` hash, and a Python
+TorchDispatchMode everywhere else (accelerators: on-device digests; other hashes; no compiler).
 
 Uninitialized memory: outputs of aten.empty* are recorded as "uninit" (their garbage would differ
 between runs without meaning anything); their addresses are remembered until something writes them,
@@ -15,6 +19,7 @@ from torch import Tensor
 from torch._ops import OpOverload
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from megatron_bitdet.trace import native
 from megatron_bitdet.trace.digest import digest, fast, flat_tensors, prefix, span_tag
 
 # collectives are recorded by the torch.distributed wrappers at completion, not at launch
@@ -160,8 +165,34 @@ class _OpTraceMode(TorchDispatchMode):
         return out
 
 
+def implementation(config) -> str:
+    """"native" where the C++ tracer applies and builds, else "python"."""
+    accel = getattr(torch, "accelerator", None)
+    on_accel = accel.is_available() if accel is not None else torch.cuda.is_available()
+    if config.hash == "fast" and not on_accel and native.load() is not None:
+        return "native"
+    return "python"
+
+
+def _overload(name: str) -> OpOverload:
+    """"aten.add.Tensor" -> torch.ops.aten.add.Tensor"""
+    ns, op, overload = name.rsplit(".", 2)
+    return getattr(getattr(getattr(torch.ops, ns), op), overload)
+
+
 @contextmanager
 def installed(tracer):
+    if tracer.op_tracer == "native":
+        mod = native.load()
+        tracer.bind_native(mod)
+        cap = tracer.capture
+        if cap is not None and not cap.done:
+            mod.arm(cap.event_id, lambda name, args, kwargs: cap.before(_overload(name), args, kwargs), cap.after)
+        try:
+            yield
+        finally:
+            tracer.unbind_native()
+        return
     with _OpTraceMode(tracer):
         try:
             yield

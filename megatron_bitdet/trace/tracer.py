@@ -14,7 +14,8 @@ from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.trace import collectives, hooks, ops
 from megatron_bitdet.trace.capture import DEFAULT_MAX_BYTES, OpCapture
 from megatron_bitdet.trace.digest import HASHES, digest, release_spans, resolve, trace_tensors
-from megatron_bitdet.trace.format import LEVELS, TraceWriter, event_id, op_line, record_line, trace_path
+from megatron_bitdet.trace.format import (LEVELS, TraceWriter, event_id, json_str, op_line, record_line,
+                                          trace_path)
 
 _FLUSH_EVERY = 4096
 _NO_EXTRA: dict = {}
@@ -61,13 +62,17 @@ class Tracer:
         self.modules: list[tuple[str, torch.nn.Module]] = []
         self._phase = ["forward"]
         self._scope: list[str] = []
-        self.bwd_scope = ""
+        self._bwd_scope = ""
         self._counts: dict = {}
         self._buf: list[dict] = []
         self._step = 0
-        self.quiet = 0                   # >0 while the tracer itself runs torch ops (not traced)
+        self._quiet = 0                     # >0 while the tracer itself runs torch ops (not traced)
+        self._native = None                 # the native op tracer while it runs a step (ops.installed)
         self.inflight: dict[int, str] = {}  # data_ptr -> async collective whose output is not waited yet
         self.uninit: dict[int, None] = {}   # data_ptr of aten.empty* outputs not yet written
+        # which op tracer writes this trace ("native" C++ fallback or "python" dispatch mode): their
+        # op streams differ in a few records, so the analysis refuses to align traces of different ones
+        self.op_tracer = ops.implementation(self.config) if level == "op" and self.enabled else None
         self._writer = None
         self.capture = None
         if capture and capture.get("rank") == rank and self.enabled:
@@ -80,6 +85,7 @@ class Tracer:
                 "rank": rank, "world_size": world_size, "level": level, "steps": list(self.config.steps),
                 "ranks": sorted(self.config.ranks) if self.config.ranks is not None else None,
                 "hash": hash, "manifest_digest": manifest_digest,
+                **({"op_tracer": self.op_tracer} if self.op_tracer else {}),
             })
 
     # -- setup -------------------------------------------------------------------------------
@@ -119,24 +125,89 @@ class Tracer:
     @contextmanager
     def phase(self, name: str):
         self._phase.append(name)
+        self._tell_native("set_phase", name)
         try:
             yield
         finally:
             self._phase.pop()
+            self._tell_native("set_phase", self._phase[-1])
+
+    # -- the state the native op tracer mirrors -------------------------------------------------
+    @property
+    def quiet(self) -> int:
+        return self._quiet
+
+    @quiet.setter
+    def quiet(self, n: int) -> None:
+        self._quiet = n
+        if self._native is not None:
+            self._native.set_quiet(n > 0)
+
+    @property
+    def bwd_scope(self) -> str:
+        return self._bwd_scope
+
+    @bwd_scope.setter
+    def bwd_scope(self, name: str) -> None:
+        self._bwd_scope = name
+        self._tell_native("set_bwd_scope", name)
+
+    def _tell_native(self, setter: str, value: str) -> None:
+        if self._native is not None:
+            getattr(self._native, setter)(value, json_str(value))
+
+    def bind_native(self, native) -> None:
+        """The native op tracer runs this step: it gets the current phase and scopes, then each change."""
+        self._native = native
+        native.start(self._step)
+        self._tell_native("set_phase", self._phase[-1])
+        self._tell_native("set_scope", self._scope[-1] if self._scope else "")
+        self._tell_native("set_bwd_scope", self._bwd_scope)
+        native.set_quiet(self._quiet > 0)
+
+    def unbind_native(self) -> None:
+        native, self._native = self._native, None
+        native.stop()
+        self._buf.extend(native.take())
+
+    def mark_uninit(self, ptr: int) -> None:
+        """Memory whose contents mean nothing until an op writes it (op level's read-artifact check)."""
+        if self._native is not None:
+            self._native.ptrs_add("uninit", ptr)
+        else:
+            self.uninit[ptr] = None
+
+    def in_flight(self, ptr: int, name: str) -> None:
+        """An async collective's output buffer, not yet waited on."""
+        if self._native is not None:
+            self._native.ptrs_add("inflight", ptr)
+        else:
+            self.inflight[ptr] = name
+
+    def landed(self, ptr: int) -> None:
+        """The collective writing ``ptr`` completed: its contents are now real and written."""
+        if self._native is not None:
+            self._native.ptrs_discard("inflight", ptr)
+            self._native.ptrs_discard("uninit", ptr)
+        else:
+            self.inflight.pop(ptr, None)
+            self.uninit.pop(ptr, None)
 
     # -- scope (maintained by hooks) ------------------------------------------------------------
     def push_scope(self, name: str) -> None:
         self._scope.append(name)
+        self._tell_native("set_scope", name)
 
     def pop_scope(self) -> None:
         if self._scope:
             self._scope.pop()
+            self._tell_native("set_scope", self._scope[-1] if self._scope else "")
 
     def current(self) -> tuple[str, str]:
         """(phase, scope) now; autograd's engine thread means backward, scoped by the tensor hooks."""
         phase = self._phase[-1]
         if torch._C._current_autograd_node() is not None:
-            return ("backward" if phase == "forward" else phase), self.bwd_scope
+            return ("backward" if phase == "forward" else phase), self._bwd_scope
         return phase, self._scope[-1] if self._scope else ""
 
     # -- records --------------------------------------------------------------------------------
@@ -167,7 +238,7 @@ class Tracer:
         """``record("op", ...)`` for the dispatch mode: the same record, built as its line at once."""
         ph = self._phase[-1]
         if torch._C._current_autograd_node() is not None:
-            ph, sc = ("backward" if ph == "forward" else ph), self.bwd_scope
+            ph, sc = ("backward" if ph == "forward" else ph), self._bwd_scope
         else:
             sc = self._scope[-1] if self._scope else ""
         key = (ph, sc, name)
@@ -185,7 +256,10 @@ class Tracer:
     def _append(self, rec: tuple) -> None:
         """Buffer a record as its finished line when every digest is a string: the buffer then holds
         no containers, which would otherwise trigger ~20 young and ~2 middle garbage collections in an
-        op-traced step. Pending device digests keep the tuple until the flush resolves them."""
+        op-traced step. Pending device digests keep the tuple until the flush resolves them. The
+        native op tracer's records so far go first (one order for both)."""
+        if self._native is not None:
+            self._buf.extend(self._native.take())
         try:
             self._buf.append(record_line(*rec))
         except TypeError:

@@ -55,7 +55,7 @@ def _scratch_is_uninit(tracer) -> None:
     from megatron_bitdet.compat.buffers import scratch_buffers
 
     for t in scratch_buffers():
-        tracer.uninit[t.data_ptr()] = None
+        tracer.mark_uninit(t.data_ptr())
 
 
 @contextmanager
