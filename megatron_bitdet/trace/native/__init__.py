@@ -43,14 +43,7 @@ def _build():
     tag = hashlib.sha256(f"{SOURCE.read_bytes()!r}{torch.__version__}{sys.version}".encode()).hexdigest()[:12]
     name = "bitdet_op_trace_" + re.sub(r"\W", "_", torch.__version__) + "_" + tag
     mod = cpp_extension.load(name, [str(SOURCE)], extra_cflags=["-O2"], verbose=False)
-    dtypes = []
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "experimental" / "deprecated" dtypes
-        for d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}:
-            try:
-                dtypes.append((torch.empty(0, dtype=d), dtype_name(d)))
-            except (RuntimeError, TypeError):  # dtypes with no plain tensors (bit-packed)
-                pass
+    dtypes = [(d, dtype_name(d)) for d in {v for v in vars(torch).values() if isinstance(v, torch.dtype)}]
     mod.init(xxhash._xxhash.__file__, dtypes)
     return mod
 
@@ -63,8 +56,9 @@ def load():
         try:
             _loaded["mod"] = _build()
         except Exception as exc:  # no compiler, no ninja, headers missing: fall back, say why once
-            first = (str(exc).strip().splitlines() or [""])[0][:300]
-            _loaded["mod"], _loaded["why"] = None, f"native op tracer not built ({type(exc).__name__}: {first})"
+            lines = str(exc).strip().splitlines()
+            said = next((x for x in lines if "error" in x.lower() and x is not lines[0]), lines[0] if lines else "")
+            _loaded["mod"], _loaded["why"] = None, f"native op tracer not built ({type(exc).__name__}: {said[:300]})"
             warnings.warn(_loaded["why"] + "; op tracing uses the Python dispatch mode", stacklevel=2)
     return _loaded["mod"]
 

@@ -17,6 +17,7 @@
 
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <c10/core/impl/LocalDispatchKeySet.h>
+#include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
@@ -40,7 +41,8 @@ namespace {
 using Xxh3 = uint64_t (*)(const void*, size_t);
 
 struct OpInfo {
-  std::string name;  // "aten.add.Tensor", as str(OpOverload)
+  c10::OperatorName op{"", ""};  // what the entry was made for (a schema's address can be reused)
+  std::string name;      // "aten.add.Tensor", as str(OpOverload)
   bool skip = false, uninit = false, view = false;
   std::vector<size_t> write_pos;
   std::vector<bool> kwarg_only;
@@ -76,9 +78,10 @@ const OpInfo& info_of(const c10::OperatorHandle& op) {
   State& s = S();
   const c10::FunctionSchema* key = &op.schema();
   auto it = s.infos.find(key);
-  if (it != s.infos.end()) return it->second;
+  if (it != s.infos.end() && it->second.op == op.operator_name()) return it->second;
   const auto& schema = op.schema();
   OpInfo info;
+  info.op = op.operator_name();
   std::string full = schema.name();  // "aten::add"
   auto sep = full.find("::");
   std::string ns = full.substr(0, sep), base = full.substr(sep + 2);
@@ -98,7 +101,7 @@ const OpInfo& info_of(const c10::OperatorHandle& op) {
   bool all_alias = !rets.empty();
   for (const auto& r : rets) all_alias = all_alias && r.alias_info() && !r.alias_info()->isWrite();
   info.view = ns == "aten" && info.write_pos.empty() && !rets.empty() && (base == "_unsafe_view" || all_alias);
-  return s.infos.emplace(key, std::move(info)).first->second;
+  return s.infos.insert_or_assign(key, std::move(info)).first->second;
 }
 
 // ops.py flat_tensors; a wrapped number (a Python scalar argument, 0-d) is a scalar there too
@@ -161,6 +164,7 @@ std::optional<std::string> span_tag(const at::Tensor& t) {
   auto& layouts = S().layouts;
   auto it = layouts.find(key);
   if (it == layouts.end()) {
+    if (layouts.size() > 65536) layouts.clear();
     bool zero = std::find(key.second.begin(), key.second.end(), 0) != key.second.end();
     it = layouts.emplace(key, zero ? std::string() : permuted_tag(t.sizes(), t.strides())).first;
   }
@@ -379,7 +383,7 @@ void set_included(bool on) { c10::impl::tls_set_dispatch_key_included(c10::Dispa
 
 TORCH_LIBRARY_IMPL(_, Fake, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }
 
-void init(const std::string& xxhash_so, const std::vector<std::pair<at::Tensor, std::string>>& dtypes) {
+void init(const std::string& xxhash_so, const std::vector<std::pair<py::object, std::string>>& dtypes) {
   void* lib = dlopen(xxhash_so.c_str(), RTLD_NOW | RTLD_LOCAL);
   TORCH_CHECK(lib, "bitdet native op tracer: cannot open ", xxhash_so, ": ", dlerror());
   auto fn = reinterpret_cast<Xxh3>(dlsym(lib, "XXH3_64bits"));
@@ -387,7 +391,10 @@ void init(const std::string& xxhash_so, const std::vector<std::pair<at::Tensor, 
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   s.xxh3 = fn;
-  for (const auto& [t, name] : dtypes) s.dtypes[static_cast<size_t>(t.scalar_type())] = name;
+  for (const auto& [dtype, name] : dtypes) {
+    TORCH_CHECK(THPDtype_Check(dtype.ptr()), "bitdet native op tracer: not a torch.dtype");
+    s.dtypes[static_cast<size_t>(reinterpret_cast<THPDtype*>(dtype.ptr())->scalar_type)] = name;
+  }
 }
 
 // A traced step begins on this thread: counts reset, the fallback key included.
