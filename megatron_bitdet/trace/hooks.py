@@ -22,7 +22,7 @@ _TENSOR = torch.Tensor
 class _GradHook:
     """The entries run, in order, by one tensor hook on one tensor in one traced step.
 
-    ``("out", name, None, moves)``: the gradient reached module ``name``'s output; ``("in", name,
+    ``(True, name, None, moves)``: the gradient reached module ``name``'s output; ``(False, name,
     parent, moves)``: it left through ``name``'s input, back to ``parent``. ``moves``: whether it sets
     the backward scope; only the first "out" entry of a tensor (the innermost module: inner forward
     hooks run first) and its first "in" entry (the outermost: outer pre-hooks run first) do.
@@ -38,30 +38,36 @@ class _GradHook:
         self.out_claimed = self.in_claimed = False
 
 
-def _attach(t, owner, out: bool, name: str, parent) -> None:
-    """Add an entry for ``t``'s gradient, to the tensor hook this step put on ``t`` last when running
-    it there is what a hook of its own would do: ours is still the last of ``t``'s Python hooks (they
-    run in registration order, each receiving the gradient the previous one left; ours return None)
-    and ``t`` is unmodified in place (a hook added after an in-place op belongs to the new value's
-    node, which autograd runs at another time). Otherwise the entry gets a new tensor hook."""
-    g = getattr(t, "_bitdet_grad", None)
-    if g is None or g.owner is not owner:  # a tensor living across steps carries an older step's
-        g = t._bitdet_grad = _GradHook(owner)
-    if out:
-        entry = ("out", name, None, not g.out_claimed)
-        g.out_claimed = True
-    else:
-        entry = ("in", name, parent, not g.in_claimed)
-        g.in_claimed = True
-    if g.entries is not None and t._version == g.version and type(t) is _TENSOR:
-        hooks = t._backward_hooks
-        if hooks and next(reversed(hooks)) == g.handle_id:
-            g.entries.append(entry)
-            return
-    entries = [entry]
-    handle = t.register_hook(lambda grad: owner._grad(entries, grad))
-    owner.tensor_handles.append(handle)
-    g.entries, g.handle_id, g.version = entries, handle.id, t._version
+def _attach(tensors, owner, out: bool, name: str, parent) -> None:
+    """Add an entry for each tensor's gradient, to the tensor hook this step put on it last when
+    running it there is what a hook of its own would do: ours is still the last of the tensor's
+    Python hooks (they run in registration order, each receiving the gradient the previous one left;
+    ours return None) and the tensor is unmodified in place (a hook added after an in-place op
+    belongs to the new value's node, which autograd runs at another time). Otherwise the entry gets
+    a new tensor hook. Without records (level op) only the entries that move the scope are kept."""
+    record = owner.record
+    for t in tensors:
+        g = getattr(t, "_bitdet_grad", None)
+        if g is None or g.owner is not owner:  # a tensor living across steps carries an older step's
+            g = t._bitdet_grad = _GradHook(owner)
+        if out:
+            moves = not g.out_claimed
+            g.out_claimed = True
+        else:
+            moves = not g.in_claimed
+            g.in_claimed = True
+        if not (moves or record):
+            continue
+        entry = (out, name, parent, moves)
+        if g.entries is not None and t._version == g.version and type(t) is _TENSOR:
+            hooks = t._backward_hooks
+            if hooks and next(reversed(hooks)) == g.handle_id:
+                g.entries.append(entry)
+                continue
+        entries = [entry]
+        handle = t.register_hook(lambda grad, entries=entries: owner._grad(entries, grad))
+        owner.tensor_handles.append(handle)
+        g.entries, g.handle_id, g.version = entries, handle.id, t._version
 
 
 class _ModuleHooks:
@@ -76,8 +82,7 @@ class _ModuleHooks:
         for name, mod in self.tr.modules:
             inputs = []  # this module's input fingerprints, a stack for re-entrant calls
             self.handles.append(mod.register_forward_pre_hook(self._pre(name, inputs), with_kwargs=True))
-            self.handles.append(mod.register_forward_hook(self._post(name, inputs), with_kwargs=True,
-                                                          always_call=True))
+            self.handles.append(mod.register_forward_hook(self._post(name, inputs), always_call=True))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -99,21 +104,19 @@ class _ModuleHooks:
             tr.push_scope(name)
             if self.record:
                 inputs.append(tr.fps(tensors))
-            for t in grads:
-                _attach(t, self, False, name, parent)
+            if grads:
+                _attach(grads, self, False, name, parent)
         return hook
 
     def _post(self, name, inputs):
-        def hook(mod, args, kwargs, output):
+        def hook(mod, args, output):
             tr = self.tr
             tr.pop_scope()
             tensors = flat_tensors((output,), None)
             if self.record:
                 tr.record("module", "forward", inputs.pop() if inputs else [], tr.fps(tensors), scope=name)
-            if torch.is_grad_enabled():
-                for t in tensors:
-                    if t.requires_grad:
-                        _attach(t, self, True, name, None)
+            if tensors and torch.is_grad_enabled():
+                _attach([t for t in tensors if t.requires_grad], self, True, name, None)
         return hook
 
     def _grad(self, entries, grad) -> None:
@@ -123,8 +126,8 @@ class _ModuleHooks:
         if not tr.active:
             return
         fp = tr.fps([grad])[0] if self.record and grad is not None else None
-        for kind, name, parent, sets_scope in entries:
-            if kind == "out":
+        for out, name, parent, sets_scope in entries:
+            if out:
                 if sets_scope:
                     tr.bwd_scope = name
                 if fp is not None:
