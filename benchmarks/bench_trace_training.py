@@ -12,9 +12,9 @@ CPU time (both ranks' processes, every thread) is printed beside wall time: on a
 less with other load. The 1-minute load average is printed with the figures.
 "Outside the window" (nothing installed) is checked by tests/test_trace_training.py, not timed here.
 
-    .venv/bin/python benchmarks/bench_trace_training.py [--rounds 12] [--warmup 2] [--profile]
+    .venv/bin/python benchmarks/bench_trace_training.py [--rounds 12] [--warmup 2] [--profile [LEVEL]]
 
-``--profile`` also prints rank 0's cProfile top functions of one op-traced step.
+``--profile`` also prints rank 0's cProfile top functions of one step traced at LEVEL (default op).
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def digest_costs() -> dict:
             "ns_per_byte": statistics.median(per_byte) * 1e9}
 
 
-def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, warmup: int, profile: bool) -> int:
+def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, warmup: int, profile: str | None) -> int:
     import gc
 
     import torch
@@ -143,7 +143,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
 
         prof = cProfile.Profile()
         prof.enable()
-        one("op")
+        one(profile)
         prof.disable()
         if rank == 0:
             buf = io.StringIO()
@@ -177,7 +177,7 @@ _ENFORCED: dict = {}
 worker.before_process_group = _enforce
 
 
-def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: bool = False) -> dict:
+def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: str | None = None) -> dict:
     """Per-round step ms of each configuration (slowest rank), from one launch of ``nproc`` ranks."""
     from megatron_bitdet.train.run import child_env
     from megatron_bitdet.train.launch import launch
@@ -205,7 +205,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--warmup", type=int, default=2)
-    ap.add_argument("--profile", action="store_true")
+    ap.add_argument("--profile", nargs="?", const="op", choices=("module", "op"), default=None,
+                    help="also profile one step traced at this level (default op)")
     args = ap.parse_args()
     sys.path.insert(0, str(ROOT))
     from megatron_bitdet.recipe import load_recipe

@@ -91,6 +91,36 @@ def test_tensor_hooks_leave_with_their_step(tmp_path):
     assert per_step[0] and per_step[0] == per_step[1] == per_step[2]
 
 
+class ForeignHook(torch.nn.Module):
+    """A hook of someone else's, doubling the gradient, between two modules' hooks on one tensor."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.a, self.b, self.seen = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), seen
+
+    def forward(self, x):
+        h = self.a(x)
+        h.register_hook(lambda g: self.seen.append(g.clone()) or g * 2)
+        return self.b(h)
+
+
+def test_module_backward_sees_the_gradient_other_hooks_leave(tmp_path):
+    """Tensor hooks run in registration order, each getting the gradient the previous one left: "a"'s
+    output gradient is recorded before the foreign hook doubles it, "b"'s input gradient after."""
+    from megatron_bitdet.trace.digest import digest
+
+    torch.manual_seed(0)
+    seen = []
+    model = ForeignHook(seen)
+    with Tracer(tmp_path, 0, 1, level="module") as tr:
+        tr.attach(model)
+        with tr.step(1):
+            model(torch.randn(3, 4)).sum().backward()
+    bwd = {r["scope"]: r for r in records(tmp_path)[1] if r["name"] == "backward"}
+    assert bwd["a"]["in"] == [digest(seen[0], "fast")]
+    assert bwd["b"]["out"] == [digest(seen[0] * 2, "fast")] != bwd["a"]["in"]
+
+
 def test_inputs_are_fingerprinted_before_inplace_ops(tmp_path):
     x = torch.ones(4)
     with Tracer(tmp_path, 0, 1, level="op", steps=(1, 1)) as tr:

@@ -3,6 +3,10 @@
 Backward scope and module-backward events use tensor hooks on module outputs (gradient arrives:
 the module's backward begins) and inputs (gradient leaves: it ends). Full module backward hooks are
 avoided on purpose: they wrap outputs in a BackwardHookFunction that breaks in-place ops on them.
+
+A tensor is usually several modules' output and the next ones' input; its entries (one per module
+that hooked it) share one tensor hook, in the order they were added, as long as no other hook was
+added to the tensor in between and it was not modified in place (see ``_attach``).
 """
 from __future__ import annotations
 
@@ -12,30 +16,73 @@ import torch
 
 from megatron_bitdet.trace.digest import flat_tensors
 
+_TENSOR = torch.Tensor
 
-def _claim(t, attr: str, token) -> bool:
-    """First hook registered on a tensor (in this traced step) owns its scope change: the innermost
-    module for an output (inner forward hooks run first), the outermost for an input (outer pre-hooks
-    run first)."""
-    if getattr(t, attr, None) is token:
-        return False
-    setattr(t, attr, token)
-    return True
+
+class _GradHook:
+    """The entries run, in order, by one tensor hook on one tensor in one traced step.
+
+    ``(True, name, None, moves)``: the gradient reached module ``name``'s output; ``(False, name,
+    parent, moves)``: it left through ``name``'s input, back to ``parent``. ``moves``: whether it sets
+    the backward scope; only the first "out" entry of a tensor (the innermost module: inner forward
+    hooks run first) and its first "in" entry (the outermost: outer pre-hooks run first) do.
+    """
+
+    __slots__ = ("owner", "entries", "handle_id", "version", "out_claimed", "in_claimed")
+
+    def __init__(self, owner):
+        self.owner = owner
+        self.entries = None
+        self.handle_id = None
+        self.version = -1
+        self.out_claimed = self.in_claimed = False
+
+
+def _attach(tensors, owner, out: bool, name: str, parent) -> None:
+    """Add an entry for each tensor's gradient, to the tensor hook this step put on it last when
+    running it there is what a hook of its own would do: ours is still the last of the tensor's
+    Python hooks (they run in registration order, each receiving the gradient the previous one left;
+    ours return None) and the tensor is unmodified in place (a hook added after an in-place op
+    belongs to the new value's node, which autograd runs at another time). Otherwise the entry gets
+    a new tensor hook. Without records (level op) only the entries that move the scope are kept."""
+    record = owner.record
+    for t in tensors:
+        g = getattr(t, "_bitdet_grad", None)
+        if g is None or g.owner is not owner:  # a tensor living across steps carries an older step's
+            g = t._bitdet_grad = _GradHook(owner)
+        if out:
+            moves = not g.out_claimed
+            g.out_claimed = True
+        else:
+            moves = not g.in_claimed
+            g.in_claimed = True
+        if not (moves or record):
+            continue
+        entry = (out, name, parent, moves)
+        if g.entries is not None and t._version == g.version and type(t) is _TENSOR:
+            hooks = t._backward_hooks
+            if hooks and next(reversed(hooks)) == g.handle_id:
+                g.entries.append(entry)
+                continue
+        entries = [entry]
+        handle = t.register_hook(lambda grad, entries=entries: owner._grad(entries, grad))
+        owner.tensor_handles.append(handle)
+        g.entries, g.handle_id, g.version = entries, handle.id, t._version
 
 
 class _ModuleHooks:
     def __init__(self, tracer, record: bool):
         self.tr = tracer
         self.record = record
-        self.inputs: dict[str, list] = {}     # name -> stack of input fingerprints (re-entrant calls)
         self.grad_out: dict[str, list] = {}   # name -> grad_output fingerprints awaiting the grad_input
         self.handles = []
         self.tensor_handles = []              # tensor hooks: removed with the module hooks
 
     def install(self) -> None:
         for name, mod in self.tr.modules:
-            self.handles.append(mod.register_forward_pre_hook(self._pre(name), with_kwargs=True))
-            self.handles.append(mod.register_forward_hook(self._post(name), with_kwargs=True, always_call=True))
+            inputs = []  # this module's input fingerprints, a stack for re-entrant calls
+            self.handles.append(mod.register_forward_pre_hook(self._pre(name, inputs), with_kwargs=True))
+            self.handles.append(mod.register_forward_hook(self._post(name, inputs), always_call=True))
 
     def remove(self) -> None:
         for h in self.handles:
@@ -48,53 +95,48 @@ class _ModuleHooks:
                 self.tr.record("module", "backward", fps, [], phase="backward", scope=name)
         self.grad_out.clear()
 
-    def _pre(self, name):
+    def _pre(self, name, inputs):
         def hook(mod, args, kwargs):
             tr = self.tr
-            parent = tr.current()[1]
-            tr.push_scope(name)
             tensors = flat_tensors(args, kwargs)
+            grads = [t for t in tensors if t.requires_grad] if torch.is_grad_enabled() else ()
+            parent = tr.current()[1] if grads else None
+            tr.push_scope(name)
             if self.record:
-                self.inputs.setdefault(name, []).append(tr.fps(tensors))
-            if torch.is_grad_enabled():
-                for t in tensors:
-                    if t.requires_grad:
-                        self.tensor_handles.append(
-                            t.register_hook(self._grad_in(name, parent, _claim(t, "_bitdet_in", self))))
+                inputs.append(tr.fps(tensors))
+            if grads:
+                _attach(grads, self, False, name, parent)
         return hook
 
-    def _post(self, name):
-        def hook(mod, args, kwargs, output):
+    def _post(self, name, inputs):
+        def hook(mod, args, output):
             tr = self.tr
             tr.pop_scope()
             tensors = flat_tensors((output,), None)
             if self.record:
-                ins = self.inputs[name].pop() if self.inputs.get(name) else []
-                tr.record("module", "forward", ins, tr.fps(tensors), scope=name)
-            if torch.is_grad_enabled():
-                for t in tensors:
-                    if t.requires_grad:
-                        self.tensor_handles.append(t.register_hook(self._grad_out(name, _claim(t, "_bitdet_out", self))))
+                tr.record("module", "forward", inputs.pop() if inputs else [], tr.fps(tensors), scope=name)
+            if tensors and torch.is_grad_enabled():
+                _attach([t for t in tensors if t.requires_grad], self, True, name, None)
         return hook
 
-    def _grad_out(self, name, sets_scope):
-        def hook(grad):
-            if self.tr.active:
+    def _grad(self, entries, grad) -> None:
+        """A tensor's gradient: its entries in order. The gradient is digested once for all of them:
+        they receive the same tensor and nothing runs between them."""
+        tr = self.tr
+        if not tr.active:
+            return
+        fp = tr.fps([grad])[0] if self.record and grad is not None else None
+        for out, name, parent, sets_scope in entries:
+            if out:
                 if sets_scope:
-                    self.tr.bwd_scope = name
-                if self.record and grad is not None:
-                    self.grad_out.setdefault(name, []).extend(self.tr.fps([grad]))
-        return hook
-
-    def _grad_in(self, name, parent, sets_scope):
-        def hook(grad):
-            if self.tr.active:
+                    tr.bwd_scope = name
+                if fp is not None:
+                    self.grad_out.setdefault(name, []).append(fp)
+            else:
                 if sets_scope:
-                    self.tr.bwd_scope = parent
-                if self.record and grad is not None:
-                    self.tr.record("module", "backward", self.grad_out.pop(name, []), self.tr.fps([grad]),
-                                   phase="backward", scope=name)
-        return hook
+                    tr.bwd_scope = parent
+                if fp is not None:
+                    tr.record("module", "backward", self.grad_out.pop(name, []), [fp], phase="backward", scope=name)
 
 
 @contextmanager
