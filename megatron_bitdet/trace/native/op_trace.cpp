@@ -217,7 +217,9 @@ std::optional<std::string> same_span(const at::Tensor& t, const std::vector<at::
 
 uintptr_t addr(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.const_data_ptr()); }
 
-void append_list(std::string& line, const std::vector<std::string>& xs) {
+// format._digest_list: the strings need no escaping (digests, flag names)
+template <typename Strings>
+void append_list(std::string& line, const Strings& xs) {
   line += '[';
   for (size_t i = 0; i < xs.size(); ++i) {
     if (i) line += ',';
@@ -364,14 +366,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   line += ",\"out\":";
   append_list(line, outs);
   if (!flags.empty()) {
-    line += ",\"flags\":[";
-    for (size_t i = 0; i < flags.size(); ++i) {
-      if (i) line += ',';
-      line += '"';
-      line += flags[i];
-      line += '"';
-    }
-    line += ']';
+    line += ",\"flags\":";
+    append_list(line, flags);
   }
   line += '}';
   s.lines.push_back(std::move(line));
