@@ -316,7 +316,15 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
     py::object args = arguments(info, stack, base, kwargs);
     pending = s.before(info.name, args, kwargs);
   }
-  op.redispatchBoxed(ks & kAfterFake, stack);
+  try {
+    op.redispatchBoxed(ks & kAfterFake, stack);
+  } catch (...) {
+    if (armed) {  // the capture's pending record is a Python object: released under the GIL
+      py::gil_scoped_acquire gil;
+      pending = py::object();
+    }
+    throw;
+  }
   const size_t nrets = op.schema().returns().size();
   const size_t rbase = stack->size() - nrets;
   if (armed) {
@@ -329,8 +337,8 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
       for (size_t i = 0; i < nrets; ++i) tup[i] = torch::jit::toPyObject((*stack)[rbase + i]);
       out = std::move(tup);
     }
-    s.after(pending, out);
-    pending = py::object();
+    py::object rec = std::move(pending);  // released in this GIL scope, also when after() raises
+    s.after(rec, out);
   }
   lock.lock();
   if (armed) s.armed.clear();  // one occurrence
@@ -449,35 +457,19 @@ void arm(const std::string& event_id, py::object before, py::object after) {
   S().armed = event_id, S().before = std::move(before), S().after = std::move(after);
 }
 
-void disarm() {
-  std::lock_guard<std::mutex> lock(S().mu);
-  S().armed.clear();
+// Address sets the Python side updates (Tracer.mark_uninit / in_flight / landed): "uninit" or "inflight".
+std::unordered_set<uintptr_t>& ptrs(const std::string& which) {
+  return which == "uninit" ? S().uninit : S().inflight;
 }
 
-// Address sets shared with the Python side (tracer.uninit / tracer.inflight).
 void ptrs_add(const std::string& which, uintptr_t p) {
   std::lock_guard<std::mutex> lock(S().mu);
-  (which == "uninit" ? S().uninit : S().inflight).insert(p);
+  ptrs(which).insert(p);
 }
 
 void ptrs_discard(const std::string& which, uintptr_t p) {
   std::lock_guard<std::mutex> lock(S().mu);
-  (which == "uninit" ? S().uninit : S().inflight).erase(p);
-}
-
-bool ptrs_has(const std::string& which, uintptr_t p) {
-  std::lock_guard<std::mutex> lock(S().mu);
-  return (which == "uninit" ? S().uninit : S().inflight).count(p) > 0;
-}
-
-size_t ptrs_len(const std::string& which) {
-  std::lock_guard<std::mutex> lock(S().mu);
-  return (which == "uninit" ? S().uninit : S().inflight).size();
-}
-
-void ptrs_clear(const std::string& which) {
-  std::lock_guard<std::mutex> lock(S().mu);
-  (which == "uninit" ? S().uninit : S().inflight).clear();
+  ptrs(which).erase(p);
 }
 
 // The op records written since the last call, in order.
@@ -506,12 +498,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("set_scope", &set_scope);
   m.def("set_bwd_scope", &set_bwd_scope);
   m.def("arm", &arm);
-  m.def("disarm", &disarm);
   m.def("ptrs_add", &ptrs_add);
   m.def("ptrs_discard", &ptrs_discard);
-  m.def("ptrs_has", &ptrs_has);
-  m.def("ptrs_len", &ptrs_len);
-  m.def("ptrs_clear", &ptrs_clear);
   m.def("take", &take);
   m.def("digest", &tensor_digest);
   m.def("installed", &installed);
