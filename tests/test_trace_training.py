@@ -10,7 +10,7 @@ import torch
 from megatron_bitdet.analysis.localize import localize_traces
 from megatron_bitdet.cli import main
 from megatron_bitdet.recipe import load_recipe
-from megatron_bitdet.trace import TraceConfig
+from megatron_bitdet.trace import TraceConfig, native
 from megatron_bitdet.train.run import RunOptions, launch_training
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,15 +55,18 @@ def probe_provider(recipe, config, *, pre_process=True, post_process=True):
 
 @pytest.fixture(scope="module")
 def twins(tmp_path_factory):
-    """Two identical runs, module-level tracing in step 2 of 3, with the probe."""
+    """Two identical runs, module-level tracing in step 2 of 3, with the probe; a third one beside them
+    (``python``) with the Python module hooks instead of the native tracer's."""
     base = tmp_path_factory.mktemp("twins")
     recipe = load_recipe(RECIPE, ["training.iterations=3"])
     runs, saved = [], dict(os.environ)
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))
-    for name in ("a", "b"):
+    for name in ("a", "b", "python"):
         probe = base / f"probe_{name}"
         probe.mkdir()
         os.environ[PROBE_ENV] = str(probe)
+        if name == "python":
+            os.environ[native.ENV] = "python"
         try:
             rc = launch_training(recipe, RunOptions(nproc=2, run_dir=base / name,
                                                     model_provider="tests.test_trace_training:probe_provider",
@@ -73,7 +76,7 @@ def twins(tmp_path_factory):
             os.environ.update(saved)
         assert rc == 0
         runs.append(base / name)
-    return runs
+    return runs[:2]
 
 
 def _records(run, rank):
@@ -87,6 +90,16 @@ def test_twins_align_and_localize_exits_0(twins, capsys):
     assert not result.mismatch and result.events_compared > 100
     assert main(["localize", str(twins[0]), str(twins[1])]) == 0
     assert "no mismatch" in capsys.readouterr().out
+
+
+@pytest.mark.timeout(240)
+def test_native_and_python_module_hooks_write_the_same_records(twins):
+    """The C++ hooks are the Python hooks' logic: the same records, byte for byte, on every rank."""
+    assert native.load() is not None, native.why()
+    for rank in (0, 1):
+        lines = [(run / "traces" / f"rank_{rank:05d}.trace.jsonl").read_bytes().splitlines()[1:]
+                 for run in (twins[0], twins[0].parent / "python")]
+        assert len(lines[0]) > 300 and lines[0] == lines[1]
 
 
 @pytest.mark.timeout(240)

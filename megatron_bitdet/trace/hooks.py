@@ -7,6 +7,9 @@ avoided on purpose: they wrap outputs in a BackwardHookFunction that breaks in-p
 A tensor is usually several modules' output and the next ones' input; its entries (one per module
 that hooked it) share one tensor hook, in the order they were added, as long as no other hook was
 added to the tensor in between and it was not modified in place (see ``_attach``).
+
+Where the native tracer runs the step, the hooks are its C++ functions (``op_trace.cpp``: the same
+logic, records and scopes kept in C++); these Python hooks run everywhere else, with the same records.
 """
 from __future__ import annotations
 
@@ -14,7 +17,8 @@ from contextlib import contextmanager
 
 import torch
 
-from megatron_bitdet.trace.digest import flat_tensors
+from megatron_bitdet.trace.digest import flat_tensors, trace_tensors
+from megatron_bitdet.trace.format import json_str
 
 _TENSOR = torch.Tensor
 
@@ -139,9 +143,35 @@ class _ModuleHooks:
                     tr.record("module", "backward", self.grad_out.pop(name, []), [fp], phase="backward", scope=name)
 
 
+class _NativeModuleHooks:
+    """The native tracer's hooks on every module (made once per tracer: they depend only on the index)."""
+
+    def __init__(self, tracer, record: bool):
+        self.tr = tracer
+        self.record = record
+        self.handles = []
+
+    def install(self) -> None:
+        tr, mod = self.tr, self.tr._native
+        names = [name for name, _ in tr.modules]
+        mod.hooks_begin(names, [json_str(n) for n in names], self.record, trace_tensors,
+                        torch.utils._pytree.SUPPORTED_NODES, torch.Tensor)
+        fns = tr.__dict__.get("_native_hook_fns")
+        if fns is None or len(fns) != len(names):
+            fns = tr._native_hook_fns = [(mod.pre_hook(i), mod.post_hook(i)) for i in range(len(names))]
+        for (_, m), (pre, post) in zip(tr.modules, fns):
+            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
+            self.handles.append(m.register_forward_hook(post, always_call=True))
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.tr._native.hooks_end()
+
+
 @contextmanager
 def installed(tracer, record: bool):
-    h = _ModuleHooks(tracer, record)
+    h = (_NativeModuleHooks if tracer._native is not None else _ModuleHooks)(tracer, record)
     h.install()
     try:
         yield h

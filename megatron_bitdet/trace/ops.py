@@ -182,16 +182,12 @@ def _overload(name: str) -> OpOverload:
 
 @contextmanager
 def installed(tracer):
-    if tracer.op_tracer == "native":
-        mod = native.load()
-        tracer.bind_native(mod)
+    if tracer.op_tracer == "native":  # bound by the tracer for the step; disarmed when it stops
         cap = tracer.capture
         if cap is not None and not cap.done:
-            mod.arm(cap.event_id, lambda name, args, kwargs: cap.before(_overload(name), args, kwargs), cap.after)
-        try:
-            yield
-        finally:
-            tracer.unbind_native()
+            native.load().arm(cap.event_id, lambda name, args, kwargs: cap.before(_overload(name), args, kwargs),
+                              cap.after)
+        yield
         return
     with _OpTraceMode(tracer):
         try:

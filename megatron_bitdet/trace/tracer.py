@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from megatron_bitdet.errors import BitdetInputError
-from megatron_bitdet.trace import collectives, hooks, ops
+from megatron_bitdet.trace import collectives, hooks, native, ops
 from megatron_bitdet.trace.capture import DEFAULT_MAX_BYTES, OpCapture
 from megatron_bitdet.trace.digest import HASHES, digest, fast, release_spans, resolve, trace_tensors
 from megatron_bitdet.trace.format import (LEVELS, TraceWriter, event_id, json_str, op_line, record_line,
@@ -62,17 +62,20 @@ class Tracer:
         self.modules: list[tuple[str, torch.nn.Module]] = []
         self._phase = ["forward"]
         self._scope: list[str] = []
-        self._bwd_scope = ""
+        self.bwd_scope = ""                 # the Python hooks' backward scope
         self._counts: dict = {}
         self._buf: list[dict] = []
         self._step = 0
         self._quiet = 0                     # >0 while the tracer itself runs torch ops (not traced)
-        self._native = None                 # the native op tracer while it runs a step (ops.installed)
+        self._native = None                 # the native tracer while it runs a step (module and op levels)
         self.inflight: dict[int, str] = {}  # data_ptr -> async collective whose output is not waited yet
         self.uninit: dict[int, None] = {}   # data_ptr of aten.empty* outputs not yet written
-        # which op tracer writes this trace ("native" C++ fallback or "python" dispatch mode): their
-        # op streams differ in a few records, so the analysis refuses to align traces of different ones
-        self.op_tracer = ops.implementation(self.config) if level == "op" and self.enabled else None
+        # which tracer runs module hooks and ops ("native": C++ hooks and dispatcher fallback, or
+        # "python"); at level op it is in the header: the op streams differ in a few records, so the
+        # analysis refuses to align traces of different ones (module records are the same)
+        impl = ops.implementation(self.config) if level in ("module", "op") and self.enabled else None
+        self.op_tracer = impl if level == "op" else None
+        self._native_mod = native.load() if impl == "native" else None
         self._writer = None
         self.capture = None
         if capture and capture.get("rank") == rank and self.enabled:
@@ -111,6 +114,8 @@ class Tracer:
         self._step, self._counts, self.active = step, {}, True
         with ExitStack() as stack:
             stack.enter_context(collectives.installed(self))
+            if self._native_mod is not None:
+                stack.enter_context(self._native_bound())
             if self.config.level in ("module", "op"):
                 stack.enter_context(hooks.installed(self, record=self.config.level == "module"))
             if self.config.level == "op":
@@ -143,32 +148,24 @@ class Tracer:
         if self._native is not None:
             self._native.set_quiet(n > 0)
 
-    @property
-    def bwd_scope(self) -> str:
-        return self._bwd_scope
-
-    @bwd_scope.setter
-    def bwd_scope(self, name: str) -> None:
-        self._bwd_scope = name
-        self._tell_native("set_bwd_scope", name)
-
     def _tell_native(self, setter: str, value: str) -> None:
         if self._native is not None:
             getattr(self._native, setter)(value, json_str(value))
 
-    def bind_native(self, native) -> None:
-        """The native op tracer runs this step: it gets the current phase and scopes, then each change."""
-        self._native = native
-        native.start(self._step)
+    @contextmanager
+    def _native_bound(self):
+        """The native tracer runs this step: its hooks keep the scopes, its fallback (level op) traces
+        the ops, its records join the buffer in order; it gets the phase now and at each change."""
+        mod = self._native = self._native_mod
+        mod.start(self._step, self.config.level == "op")
         self._tell_native("set_phase", self._phase[-1])
-        self._tell_native("set_scope", self._scope[-1] if self._scope else "")
-        self._tell_native("set_bwd_scope", self._bwd_scope)
-        native.set_quiet(self._quiet > 0)
-
-    def unbind_native(self) -> None:
-        native, self._native = self._native, None
-        native.stop()
-        self._buf.extend(native.take())
+        mod.set_quiet(self._quiet > 0)
+        try:
+            yield
+        finally:
+            self._native = None
+            mod.stop()
+            self._buf.extend(mod.take())
 
     def mark_uninit(self, ptr: int) -> None:
         """Memory whose contents mean nothing until an op writes it (op level's read-artifact check)."""
@@ -193,21 +190,21 @@ class Tracer:
             self.inflight.pop(ptr, None)
             self.uninit.pop(ptr, None)
 
-    # -- scope (maintained by hooks) ------------------------------------------------------------
+    # -- scope (maintained by the Python hooks; the native tracer keeps its own) ------------------
     def push_scope(self, name: str) -> None:
         self._scope.append(name)
-        self._tell_native("set_scope", name)
 
     def pop_scope(self) -> None:
         if self._scope:
             self._scope.pop()
-            self._tell_native("set_scope", self._scope[-1] if self._scope else "")
 
     def current(self) -> tuple[str, str]:
         """(phase, scope) now; autograd's engine thread means backward, scoped by the tensor hooks."""
+        if self._native is not None:
+            return self._native.current()
         phase = self._phase[-1]
         if torch._C._current_autograd_node() is not None:
-            return ("backward" if phase == "forward" else phase), self._bwd_scope
+            return ("backward" if phase == "forward" else phase), self.bwd_scope
         return phase, self._scope[-1] if self._scope else ""
 
     # -- records --------------------------------------------------------------------------------
@@ -218,6 +215,8 @@ class Tracer:
                          "n": self._counts.get((ph, sc, name), 0)})
 
     def fps(self, tensors) -> list:
+        if self._native is not None:  # CPU, hash fast: the same digests, in C++ (its ops are not traced)
+            return self._native.digests(tensors)
         self.quiet += 1
         try:
             mode = self.config.hash
@@ -243,7 +242,7 @@ class Tracer:
         """``record("op", ...)`` for the dispatch mode: the same record, built as its line at once."""
         ph = self._phase[-1]
         if torch._C._current_autograd_node() is not None:
-            ph, sc = ("backward" if ph == "forward" else ph), self._bwd_scope
+            ph, sc = ("backward" if ph == "forward" else ph), self.bwd_scope
         else:
             sc = self._scope[-1] if self._scope else ""
         key = (ph, sc, name)

@@ -19,6 +19,8 @@
 #include <c10/core/impl/LocalDispatchKeySet.h>
 #include <torch/csrc/Dtype.h>
 #include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/grad_mode.h>
+#include <torch/csrc/autograd/python_variable.h>
 #include <torch/csrc/jit/python/pybind_utils.h>
 
 #include <dlfcn.h>
@@ -50,21 +52,51 @@ struct OpInfo {
   int non_blocking = -1;  // index of a `non_blocking` argument
 };
 
+// Module hooks' per-step state (hooks.py _ModuleHooks / _GradHook, field for field).
+struct GradEntry {
+  bool out;                   // the gradient reached the module's output (else: left through its input)
+  size_t module;              // index into Hooks::names
+  std::string parent, parent_js;  // "in" entries: the scope the gradient goes back to
+  bool moves;                 // sets the backward scope
+};
+
+struct GradState {
+  std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> tensor;  // held: the address is not reused while mapped
+  std::shared_ptr<std::vector<GradEntry>> entries;  // those of the tensor hook this step put on it last
+  py::object handle_id;
+  uint32_t version = 0;
+  bool out_claimed = false, in_claimed = false;
+};
+
+struct Hooks {
+  bool on = false, record = false;
+  std::vector<std::string> names, names_js;
+  std::vector<std::vector<std::vector<std::string>>> inputs;  // per module: a stack of input digests
+  std::unordered_map<c10::TensorImpl*, GradState> grads;
+  // grad_output digests awaiting the grad_input, in the insertion order of a Python dict
+  std::vector<std::pair<size_t, std::vector<std::string>>> grad_out;
+  std::unordered_map<size_t, size_t> grad_out_at;
+  py::object trace_tensors, nodes, tensor_type;
+  py::list handles;  // the tensor hooks' handles, removed with the step
+};
+
 struct State {
   std::mutex mu;
   Xxh3 xxh3 = nullptr;
   std::array<std::string, static_cast<size_t>(c10::ScalarType::NumOptions)> dtypes;
   std::unordered_map<const c10::FunctionSchema*, OpInfo> infos;
   std::map<std::pair<std::vector<int64_t>, std::vector<int64_t>>, std::string> layouts;
-  bool active = false;
+  bool active = false, ops = false;  // a traced step; its ops reach the fallback (level op)
   int64_t step = 0;
   std::string phase = "forward", phase_js = "\"forward\"";
   std::string scope, scope_js = "\"\"", bwd_scope, bwd_scope_js = "\"\"";
+  std::vector<size_t> scopes;  // the module scope stack (indexes into hooks.names); scope is its top
   std::unordered_map<std::string, int64_t> counts;
   std::vector<std::string> lines;
   std::unordered_set<uintptr_t> uninit, inflight;
   std::string armed;  // event id of the op to capture ("" none)
   py::object before, after;
+  Hooks hooks;
 };
 
 State& S() {
@@ -245,7 +277,27 @@ Where where(const State& s) {
   return {&s.phase, &s.phase_js, &s.scope, &s.scope_js};
 }
 
-std::string count_key(const Where& w, const std::string& name) { return *w.phase_js + '\x1f' + *w.scope_js + '\x1f' + name; }
+std::string count_key(const std::string& phase_js, const std::string& scope_js, const std::string& name) {
+  return phase_js + '\x1f' + scope_js + '\x1f' + name;
+}
+
+// format.record_line without extra fields but flags; names need no escaping (op names, "forward"...)
+void write_record(State& s, const std::string& phase_js, const std::string& scope_js, const std::string& name,
+                  const char* kind, const std::vector<std::string>& ins, const std::vector<std::string>& outs,
+                  const std::vector<const char*>& flags = {}) {
+  int64_t n = s.counts[count_key(phase_js, scope_js, name)]++;
+  std::string line = "{\"step\":" + std::to_string(s.step) + ",\"phase\":" + phase_js + ",\"scope\":" + scope_js +
+                     ",\"name\":\"" + name + "\",\"n\":" + std::to_string(n) + ",\"k\":\"" + kind + "\",\"in\":";
+  append_list(line, ins);
+  line += ",\"out\":";
+  append_list(line, outs);
+  if (!flags.empty()) {
+    line += ",\"flags\":";
+    append_list(line, flags);
+  }
+  line += '}';
+  s.lines.push_back(std::move(line));
+}
 
 py::object arguments(const OpInfo& info, torch::jit::Stack* stack, size_t base, py::dict& kwargs) {
   py::list args;
@@ -304,7 +356,7 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   bool armed = false;
   if (!s.armed.empty()) {
     Where w = where(s);
-    auto it = s.counts.find(count_key(w, info.name));
+    auto it = s.counts.find(count_key(*w.phase_js, *w.scope_js, info.name));
     std::string id = std::to_string(s.step) + "/" + *w.phase + "/" + *w.scope + "/" + info.name + "#" +
                      std::to_string(it == s.counts.end() ? 0 : it->second);
     armed = id == s.armed;
@@ -367,23 +419,229 @@ void fallback(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit:
   }
   if (non_blocking) flags.push_back("nonblocking");
   Where w = where(s);
-  int64_t n = s.counts[count_key(w, info.name)]++;
-  std::string line = "{\"step\":" + std::to_string(s.step) + ",\"phase\":" + *w.phase_js + ",\"scope\":" + *w.scope_js +
-                     ",\"name\":\"" + info.name + "\",\"n\":" + std::to_string(n) + ",\"k\":\"op\",\"in\":";
-  append_list(line, ins);
-  line += ",\"out\":";
-  append_list(line, outs);
-  if (!flags.empty()) {
-    line += ",\"flags\":";
-    append_list(line, flags);
-  }
-  line += '}';
-  s.lines.push_back(std::move(line));
+  write_record(s, *w.phase_js, *w.scope_js, info.name, "op", ins, outs, flags);
 }
 
 void set_included(bool on) { c10::impl::tls_set_dispatch_key_included(c10::DispatchKey::Fake, on); }
 
+// ---- module hooks (hooks.py, level module and op): scopes, and at level module the records ----
+
+void set_bwd_scope(State& s, const std::string& raw, const std::string& js) { s.bwd_scope = raw, s.bwd_scope_js = js; }
+
+void set_scope_top(State& s) {
+  if (s.scopes.empty()) {
+    s.scope.clear(), s.scope_js = "\"\"";
+  } else {
+    s.scope = s.hooks.names[s.scopes.back()], s.scope_js = s.hooks.names_js[s.scopes.back()];
+  }
+}
+
+at::Tensor unpack(py::handle t) { return THPVariable_Unpack(t.ptr()); }
+
+void push_strided(py::handle x, std::vector<py::object>& out) {
+  const at::Tensor& t = THPVariable_Unpack(x.ptr());
+  if (t.layout() == c10::kStrided && !t.is_meta()) out.push_back(py::reinterpret_borrow<py::object>(x));
+}
+
+bool pytree_node(const Hooks& h, py::handle x) {
+  return PyList_Check(x.ptr()) || PyTuple_Check(x.ptr()) || PyDict_Check(x.ptr()) ||
+         PyDict_Contains(h.nodes.ptr(), reinterpret_cast<PyObject*>(Py_TYPE(x.ptr()))) == 1;
+}
+
+void pytree(const Hooks& h, py::handle x, std::vector<py::object>& out) {
+  for (py::handle t : h.trace_tensors(x)) out.push_back(py::reinterpret_borrow<py::object>(t));
+}
+
+// digest.flat_tensors over the items of `group`
+void flat_group(const Hooks& h, py::handle group, std::vector<py::object>& out) {
+  for (py::handle a : group) {
+    if (THPVariable_Check(a.ptr())) {
+      push_strided(a, out);
+    } else if (PyList_CheckExact(a.ptr()) || PyTuple_CheckExact(a.ptr())) {
+      for (py::handle x : a) {
+        if (THPVariable_Check(x.ptr()))
+          push_strided(x, out);
+        else if (pytree_node(h, x))
+          pytree(h, x, out);
+      }
+    } else if (pytree_node(h, a)) {
+      pytree(h, a, out);
+    }
+  }
+}
+
+std::vector<std::string> digests(const std::vector<py::object>& tensors) {
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::Fake);  // a gapped view's copy is not traced
+  std::vector<std::string> out;
+  out.reserve(tensors.size());
+  for (const auto& t : tensors) out.push_back(digest(unpack(t)));
+  return out;
+}
+
+void grad_hook(const std::vector<GradEntry>& entries, py::handle grad) {
+  State& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  Hooks& h = s.hooks;
+  if (!s.active || !h.on) return;
+  std::optional<std::string> fp;
+  if (h.record && !grad.is_none()) {
+    c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::Fake);
+    fp = digest(unpack(grad));
+  }
+  for (const auto& e : entries) {
+    if (e.out) {
+      if (e.moves) set_bwd_scope(s, h.names[e.module], h.names_js[e.module]);
+      if (!fp) continue;
+      auto it = h.grad_out_at.find(e.module);
+      if (it == h.grad_out_at.end()) {
+        it = h.grad_out_at.emplace(e.module, h.grad_out.size()).first;
+        h.grad_out.emplace_back(e.module, std::vector<std::string>());
+      }
+      h.grad_out[it->second].second.push_back(*fp);
+    } else {
+      if (e.moves) set_bwd_scope(s, e.parent, e.parent_js);
+      if (!fp) continue;
+      std::vector<std::string> outs;
+      auto it = h.grad_out_at.find(e.module);
+      if (it != h.grad_out_at.end()) {  // dict.pop: a later setdefault appends a new slot
+        outs.swap(h.grad_out[it->second].second);
+        h.grad_out_at.erase(it);
+      }
+      write_record(s, kBackwardJs, h.names_js[e.module], kBackward, "module", outs, {*fp});
+    }
+  }
+}
+
+// hooks._attach: an entry per tensor, merged into the tensor hook this step put on it last while ours
+// is still its last Python hook and it is unmodified in place; otherwise a new tensor hook. Runs
+// without the lock (register_hook is Python).
+void attach(const std::vector<py::object>& tensors, bool out, size_t module, const std::string& parent,
+            const std::string& parent_js) {
+  State& s = S();
+  Hooks& h = s.hooks;
+  for (const auto& obj : tensors) {
+    at::Tensor t = unpack(obj);
+    if (!t.requires_grad()) continue;
+    GradState* g;
+    bool moves;
+    {
+      std::lock_guard<std::mutex> lock(s.mu);
+      auto [it, fresh] = h.grads.try_emplace(t.unsafeGetTensorImpl());
+      g = &it->second;
+      if (fresh) g->tensor.emplace(t.getIntrusivePtr());
+      bool& claimed = out ? g->out_claimed : g->in_claimed;
+      moves = !claimed;
+      claimed = true;
+    }
+    if (!(moves || h.record)) continue;
+    GradEntry entry{out, module, parent, parent_js, moves};
+    if (g->entries && t._version() == g->version && Py_TYPE(obj.ptr()) == reinterpret_cast<PyTypeObject*>(h.tensor_type.ptr())) {
+      py::object hooks = obj.attr("_backward_hooks");
+      if (!hooks.is_none() && py::len(hooks) && hooks.attr("__reversed__")().attr("__next__")().equal(g->handle_id)) {
+        std::lock_guard<std::mutex> lock(s.mu);
+        g->entries->push_back(std::move(entry));
+        continue;
+      }
+    }
+    auto entries = std::make_shared<std::vector<GradEntry>>();
+    entries->push_back(std::move(entry));
+    py::object handle = obj.attr("register_hook")(py::cpp_function([entries](py::object grad) { grad_hook(*entries, grad); }));
+    h.handles.append(handle);
+    std::lock_guard<std::mutex> lock(s.mu);
+    g->entries = std::move(entries);
+    g->handle_id = handle.attr("id");
+    g->version = t._version();
+  }
+}
+
+void on_pre(size_t module, py::handle args, py::handle kwargs) {
+  State& s = S();
+  Hooks& h = s.hooks;
+  if (!h.on) return;
+  std::vector<py::object> tensors;
+  flat_group(h, args, tensors);
+  if (!kwargs.is_none()) flat_group(h, kwargs.attr("values")(), tensors);
+  bool any_grad = false;
+  if (c10::GradMode::is_enabled())
+    for (const auto& t : tensors) any_grad = any_grad || unpack(t).requires_grad();
+  std::string parent, parent_js;
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (any_grad) {
+      Where w = where(s);
+      parent = *w.scope, parent_js = *w.scope_js;
+    }
+    s.scopes.push_back(module);
+    set_scope_top(s);
+    if (h.record) h.inputs[module].push_back(digests(tensors));
+  }
+  if (any_grad) attach(tensors, false, module, parent, parent_js);
+}
+
+void on_post(size_t module, py::handle output) {
+  State& s = S();
+  Hooks& h = s.hooks;
+  if (!h.on) return;
+  std::vector<py::object> tensors;
+  flat_group(h, py::make_tuple(output), tensors);
+  {
+    std::lock_guard<std::mutex> lock(s.mu);
+    if (!s.scopes.empty()) s.scopes.pop_back();
+    set_scope_top(s);
+    if (h.record) {
+      auto& stack = h.inputs[module];
+      std::vector<std::string> ins;
+      if (!stack.empty()) ins.swap(stack.back()), stack.pop_back();
+      Where w = where(s);
+      write_record(s, *w.phase_js, h.names_js[module], "forward", "module", ins, digests(tensors));
+    }
+  }
+  if (!tensors.empty() && c10::GradMode::is_enabled()) attach(tensors, true, module, "", "\"\"");
+}
+
 }  // namespace
+
+// The module hooks of one traced step: names / names_js per module index (Tracer.modules), digest's
+// trace_tensors and pytree nodes for arguments flat_tensors does not walk itself, torch.Tensor.
+void hooks_begin(const std::vector<std::string>& names, const std::vector<std::string>& names_js, bool record,
+                 py::object trace_tensors, py::object nodes, py::object tensor_type) {
+  State& s = S();
+  std::lock_guard<std::mutex> lock(s.mu);
+  Hooks& h = s.hooks;
+  h.on = true, h.record = record;
+  h.names = names, h.names_js = names_js;
+  h.inputs.assign(names.size(), {});
+  h.trace_tensors = std::move(trace_tensors), h.nodes = std::move(nodes), h.tensor_type = std::move(tensor_type);
+}
+
+// The step's end: tensor hooks removed (a tensor living across steps would call them again), then a
+// "backward" record for each module whose gradient arrived but never left (its inputs need no grad).
+void hooks_end() {
+  State& s = S();
+  Hooks& h = s.hooks;
+  py::list handles;
+  std::swap(handles, h.handles);
+  for (py::handle handle : handles) handle.attr("remove")();
+  std::lock_guard<std::mutex> lock(s.mu);
+  if (h.on && h.record)
+    for (const auto& [module, fps] : h.grad_out)
+      if (!fps.empty()) write_record(s, kBackwardJs, h.names_js[module], kBackward, "module", fps, {});
+  h.on = false;
+  h.grads.clear();
+  h.grad_out.clear();
+  h.grad_out_at.clear();
+  h.inputs.clear();
+  h.trace_tensors = h.nodes = h.tensor_type = py::object();
+}
+
+// The hooks for module `i`, as register_forward_pre_hook(with_kwargs=True) / register_forward_hook take them.
+py::cpp_function pre_hook(size_t i) {
+  return py::cpp_function([i](py::handle, py::handle args, py::handle kwargs) { on_pre(i, args, kwargs); });
+}
+
+py::cpp_function post_hook(size_t i) {
+  return py::cpp_function([i](py::handle, py::handle, py::handle output) { on_post(i, output); });
+}
 
 TORCH_LIBRARY_IMPL(_, Fake, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }
 
@@ -401,16 +659,19 @@ void init(const std::string& xxhash_so, const std::vector<std::pair<py::object, 
   }
 }
 
-// A traced step begins on this thread: counts reset, the fallback key included.
-void start(int64_t step) {
+// A traced step begins on this thread: counts and scopes reset; with `ops` (level op) the fallback
+// key included.
+void start(int64_t step, bool ops) {
   State& s = S();
   {
     std::lock_guard<std::mutex> lock(s.mu);
-    s.active = true;
+    s.active = true, s.ops = ops;
     s.step = step;
     s.counts.clear();
+    s.scopes.clear();
+    s.scope.clear(), s.scope_js = "\"\"", s.bwd_scope.clear(), s.bwd_scope_js = "\"\"";
   }
-  set_included(true);
+  set_included(ops);
 }
 
 void stop() {
@@ -431,7 +692,7 @@ void set_quiet(bool quiet) {
   bool active;
   {
     std::lock_guard<std::mutex> lock(s.mu);
-    active = s.active;
+    active = s.active && s.ops;
   }
   set_included(active && !quiet);
 }
@@ -441,14 +702,11 @@ void set_phase(const std::string& raw, const std::string& js) {
   S().phase = raw, S().phase_js = js;
 }
 
-void set_scope(const std::string& raw, const std::string& js) {
+// Tracer.current() while this tracer runs the step: (phase, scope).
+std::pair<std::string, std::string> current() {
   std::lock_guard<std::mutex> lock(S().mu);
-  S().scope = raw, S().scope_js = js;
-}
-
-void set_bwd_scope(const std::string& raw, const std::string& js) {
-  std::lock_guard<std::mutex> lock(S().mu);
-  S().bwd_scope = raw, S().bwd_scope_js = js;
+  Where w = where(S());
+  return {*w.phase, *w.scope};
 }
 
 // Arm a capture: before(name, args, kwargs) -> pending, after(pending, out), on that event id only.
@@ -486,6 +744,16 @@ std::string tensor_digest(const at::Tensor& t) {
   return digest(t);
 }
 
+// Tracer.fps while the native tracer runs the step: one call for the list
+std::vector<std::string> tensor_digests(const std::vector<at::Tensor>& ts) {
+  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::Fake);
+  std::lock_guard<std::mutex> lock(S().mu);
+  std::vector<std::string> out;
+  out.reserve(ts.size());
+  for (const auto& t : ts) out.push_back(digest(t));
+  return out;
+}
+
 // Whether this thread's ops reach the fallback now (nothing is installed outside a traced step).
 bool installed() { return c10::impl::tls_is_dispatch_key_included(c10::DispatchKey::Fake); }
 
@@ -495,12 +763,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("stop", &stop);
   m.def("set_quiet", &set_quiet);
   m.def("set_phase", &set_phase);
-  m.def("set_scope", &set_scope);
-  m.def("set_bwd_scope", &set_bwd_scope);
+  m.def("current", &current);
+  m.def("hooks_begin", &hooks_begin);
+  m.def("hooks_end", &hooks_end);
+  m.def("pre_hook", &pre_hook);
+  m.def("post_hook", &post_hook);
   m.def("arm", &arm);
   m.def("ptrs_add", &ptrs_add);
   m.def("ptrs_discard", &ptrs_discard);
   m.def("take", &take);
   m.def("digest", &tensor_digest);
+  m.def("digests", &tensor_digests);
   m.def("installed", &installed);
 }
