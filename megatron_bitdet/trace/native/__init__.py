@@ -1,4 +1,5 @@
-"""The C++ op tracer (``op_trace.cpp``): op-level tracing without a Python frame per op.
+"""The native tracer (``op_trace.cpp``): op-level tracing without a Python frame per op, and the
+module hooks of levels module and op in C++ (``hooks._NativeModuleHooks``).
 
 Built on first use by torch's extension builder (g++ and ninja; about a minute) and cached under
 ``TORCH_EXTENSIONS_DIR`` (default ``~/.cache/torch_extensions``), one build per source, Python and

@@ -1,5 +1,6 @@
 // Op-level tracing as a C++ dispatcher fallback: the per-op work of the Python TorchDispatchMode
-// (ops.py) without a Python frame per op.
+// (ops.py) without a Python frame per op. Below it, the module hooks (hooks.py's logic, levels module
+// and op): scopes and module records kept here, so the records of both join one ordered buffer.
 //
 // The fallback sits on the `Fake` functionality key, directly below `Python`: it sees the same
 // post-autograd ATen ops a TorchDispatchMode sees, and no kernel is registered there in stock torch.
