@@ -15,7 +15,7 @@ from contextlib import contextmanager
 import torch.distributed as dist
 
 from megatron_bitdet.compat.collectives import swap_collectives
-from megatron_bitdet.trace.digest import trace_tensors
+from megatron_bitdet.trace.digest import flat_tensors
 
 # name -> (argument names holding inputs, argument names holding outputs)
 SPECS = {
@@ -74,13 +74,12 @@ class TracedWork:
         return getattr(self._work, name)
 
 
-@contextmanager
-def _inside(tracer):
+def _run_inside(tracer, orig, args, kwargs):
     """Nested collectives and the ops they run internally are part of this record, not their own."""
     _local.inside = True
     tracer.quiet += 1
     try:
-        yield
+        return orig(*args, **kwargs)
     finally:
         _local.inside = False
         tracer.quiet -= 1
@@ -103,29 +102,55 @@ def _completion(tracer, name, out_tensors, peer, where, flags=()):
 
 
 @functools.lru_cache(maxsize=None)
-def _signature(fn):
-    return inspect.signature(fn)
+def _binder(fn):
+    """``args, kwargs -> {name: value}`` with defaults applied, as ``signature.bind`` then
+    ``apply_defaults`` (a collective's wrapper runs it per call; ``bind`` is the slow part): a dict
+    built from the parameter names, and ``bind`` itself for anything but plain arguments (so a wrong
+    call raises its TypeError)."""
+    sig = inspect.signature(fn)
+    params = list(sig.parameters.values())
+    names = [p.name for p in params]
+    positional = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+    plain = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
+    defaults = {p.name: p.default for p in params if p.default is not p.empty}
+    required = frozenset(names) - frozenset(defaults)
+    known = frozenset(names)
+
+    def slow(args, kwargs):
+        bound = sig.bind(*args, **kwargs)
+        bound.apply_defaults()
+        return bound.arguments
+
+    def bind(args, kwargs):
+        if not plain or len(args) > positional or not known.issuperset(kwargs):
+            return slow(args, kwargs)
+        a = dict(defaults)
+        a.update(zip(names, args))
+        if any(n in kwargs for n in names[:len(args)]):
+            return slow(args, kwargs)
+        a.update(kwargs)
+        if not required.issubset(a):
+            return slow(args, kwargs)
+        return {n: a[n] for n in names}
+    return bind
 
 
 def _wrap(tracer, name, orig):
-    sig = _signature(orig)
+    bind = _binder(orig)
     in_names, out_names = SPECS[name]
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
         if getattr(_local, "inside", False) or not tracer.active:
             return orig(*args, **kwargs)
-        bound = sig.bind(*args, **kwargs)
-        bound.apply_defaults()
-        a = bound.arguments
+        a = bind(args, kwargs)
         phase, scope = tracer.current()
-        ins = tracer.fps(trace_tensors([a[n] for n in in_names]))
+        ins = tracer.fps(flat_tensors([a[n] for n in in_names], None))
         peer = _peer(a)
-        with _inside(tracer):
-            res = orig(*args, **kwargs)
+        res = _run_inside(tracer, orig, args, kwargs)
         if name == "recv" and isinstance(res, int):
             peer["src"] = res
-        done = _completion(tracer, name, trace_tensors([a[n] for n in out_names]), peer, (phase, scope, ins))
+        done = _completion(tracer, name, flat_tensors([a[n] for n in out_names], None), peer, (phase, scope, ins))
         if res is not None and (a.get("async_op") or name in _ALWAYS_ASYNC):
             return TracedWork(res, done)
         done()
@@ -149,8 +174,7 @@ def _wrap_batch(tracer, orig):
                               peer=peer)
             else:
                 recvs.append(_completion(tracer, "batch.irecv", [op.tensor], peer, (phase, scope, [])))
-        with _inside(tracer):
-            works = orig(p2p_op_list)
+        works = _run_inside(tracer, orig, (p2p_op_list,), {})
         if not works:
             for r in recvs:
                 r()
