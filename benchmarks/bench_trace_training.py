@@ -1,5 +1,6 @@
-"""Tracing overhead inside real training: the default recipe's step untraced vs module- and op-level
-tracing (goals: module <= 1.1x, op <= 2x, stretch 1.5x).
+"""Tracing overhead inside real training: the default recipe's step untraced vs semantic-, module- and
+op-level tracing (goals: module <= 1.1x, op <= 2x, stretch 1.5x; semantic, every level's floor, shows
+what the collectives and events cost before any hook).
 
 ONE 2-rank launch builds the model once; each round runs one real training step (``train_steps``,
 fingerprints included) per configuration, in alternating order (A B C, C B A, ...), each timed after
@@ -28,7 +29,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("untraced", "module", "op")
+CONFIGS = ("untraced", "semantic", "module", "op")
 GOALS = {"module": 1.1, "op": 2.0}
 
 
@@ -112,7 +113,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
     )
     tmp = Path(out).parent
     tracers = {"untraced": None}
-    for level in ("module", "op"):
+    for level in CONFIGS[1:]:
         tracers[level] = Tracer(tmp / level, rank, world_size, level=level)
         tracers[level].attach([m.module for m in state.ddp_modules])
     console = Console(active=False, total=steps)
