@@ -143,8 +143,11 @@ class _ModuleHooks:
                     tr.record("module", "backward", self.grad_out.pop(name, []), [fp], phase="backward", scope=name)
 
 
+_NATIVE_HOOKS: list = []  # (pre, post) of module index i: the native functions depend only on i
+
+
 class _NativeModuleHooks:
-    """The native tracer's hooks on every module (made once per tracer: they depend only on the index)."""
+    """The native tracer's hooks on every module; the step's state is the native tracer's."""
 
     def __init__(self, tracer, record: bool):
         self.tr = tracer
@@ -156,10 +159,8 @@ class _NativeModuleHooks:
         names = [name for name, _ in tr.modules]
         mod.hooks_begin(names, [json_str(n) for n in names], self.record, trace_tensors,
                         torch.utils._pytree.SUPPORTED_NODES, torch.Tensor)
-        fns = tr.__dict__.get("_native_hook_fns")
-        if fns is None or len(fns) != len(names):
-            fns = tr._native_hook_fns = [(mod.pre_hook(i), mod.post_hook(i)) for i in range(len(names))]
-        for (_, m), (pre, post) in zip(tr.modules, fns):
+        _NATIVE_HOOKS.extend((mod.pre_hook(i), mod.post_hook(i)) for i in range(len(_NATIVE_HOOKS), len(names)))
+        for (_, m), (pre, post) in zip(tr.modules, _NATIVE_HOOKS):
             self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
             self.handles.append(m.register_forward_hook(post, always_call=True))
 

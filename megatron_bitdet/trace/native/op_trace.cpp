@@ -438,6 +438,7 @@ void set_scope_top(State& s) {
 }
 
 at::Tensor unpack(py::handle t) { return THPVariable_Unpack(t.ptr()); }
+const at::Tensor& unpack(const at::Tensor& t) { return t; }
 
 void push_strided(py::handle x, std::vector<py::object>& out) {
   const at::Tensor& t = THPVariable_Unpack(x.ptr());
@@ -471,7 +472,9 @@ void flat_group(const Hooks& h, py::handle group, std::vector<py::object>& out) 
   }
 }
 
-std::vector<std::string> digests(const std::vector<py::object>& tensors) {
+// digest.fast of each tensor (Python tensors or at::Tensor)
+template <typename T>
+std::vector<std::string> digests(const std::vector<T>& tensors) {
   c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::Fake);  // a gapped view's copy is not traced
   std::vector<std::string> out;
   out.reserve(tensors.size());
@@ -747,12 +750,8 @@ std::string tensor_digest(const at::Tensor& t) {
 
 // Tracer.fps while the native tracer runs the step: one call for the list
 std::vector<std::string> tensor_digests(const std::vector<at::Tensor>& ts) {
-  c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::Fake);
   std::lock_guard<std::mutex> lock(S().mu);
-  std::vector<std::string> out;
-  out.reserve(ts.size());
-  for (const auto& t : ts) out.push_back(digest(t));
-  return out;
+  return digests(ts);
 }
 
 // Whether this thread's ops reach the fallback now (nothing is installed outside a traced step).
