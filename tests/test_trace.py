@@ -75,16 +75,21 @@ def test_module_level_records_forward_and_backward(tmp_path):
     assert all(r["in"] and r["out"] for r in fwd)
 
 
-def test_tensor_hooks_leave_with_their_step(tmp_path):
-    """A module input that lives across traced steps (here a leaf needing grad) carries no hook of an
-    earlier step: each step records the same module events, and nothing stays registered."""
+@pytest.mark.parametrize("leaf", [True, False], ids=["leaf", "graph"])
+def test_tensor_hooks_leave_with_their_step(tmp_path, leaf):
+    """A module input that lives across traced steps carries no hook of an earlier step: each step
+    records the same module events, and nothing stays registered. A leaf needing grad gets Python
+    tensor hooks; a non-leaf whose graph is retained across steps gets the native tracer's hooks on
+    its grad_fn (a leftover one would add records to the later steps)."""
     torch.manual_seed(0)
     model, x = Block(), torch.randn(4, 8, requires_grad=True)
+    if not leaf:
+        x = x * 2
     with Tracer(tmp_path, 0, 1, level="module") as tr:
         tr.attach(model)
         for step in (1, 2, 3):
             with tr.step(step):
-                model(x).sum().backward()
+                model(x).sum().backward(retain_graph=not leaf)
             assert not x._backward_hooks
     recs = records(tmp_path)[1]
     per_step = [[(r["phase"], r["scope"], r["name"], r["n"]) for r in recs if r["step"] == s] for s in (1, 2, 3)]

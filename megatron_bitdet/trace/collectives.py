@@ -16,6 +16,7 @@ import torch.distributed as dist
 
 from megatron_bitdet.compat.collectives import swap_collectives
 from megatron_bitdet.trace.digest import flat_tensors
+from megatron_bitdet.trace.format import extra_json
 
 # name -> (argument names holding inputs, argument names holding outputs)
 SPECS = {
@@ -57,6 +58,19 @@ def _peer(a: dict) -> dict:
     return peer
 
 
+_PEER_ARGS = ("group", "src", "dst", "group_src", "group_dst")
+
+
+def _peer_extra(peers: dict, a: dict) -> str:
+    """The record's ``"peer":{...}`` field as JSON, made once per (group, src, dst) in a step: the
+    same collectives run with the same peers every micro-batch."""
+    key = tuple(a.get(k) for k in _PEER_ARGS)
+    js = peers.get(key)
+    if js is None:
+        js = peers[key] = extra_json({"peer": _peer(a)})
+    return js
+
+
 class TracedWork:
     """Delegates to a c10d Work; the trace record is written once, when wait() returns."""
 
@@ -85,9 +99,9 @@ def _run_inside(tracer, orig, args, kwargs):
         tracer.quiet -= 1
 
 
-def _completion(tracer, name, out_tensors, peer, where, flags=()):
+def _completion(tracer, name, out_tensors, fields: str, where):
     """A callback recording outputs at completion; registers the buffers as in flight until then."""
-    ptrs = [t.data_ptr() for t in out_tensors]
+    ptrs = [t.data_ptr() for t in out_tensors] if tracer.tracks_memory else ()
     for p in ptrs:
         tracer.in_flight(p, name)
 
@@ -95,49 +109,53 @@ def _completion(tracer, name, out_tensors, peer, where, flags=()):
         for p in ptrs:
             tracer.landed(p)
         if tracer.active:
-            extra = {"flags": list(flags)} if flags else {}
             tracer.record("coll", name, where[2], tracer.fps(out_tensors), phase=where[0], scope=where[1],
-                          peer=peer, **extra)
+                          fields=fields)
     return done
 
 
 @functools.lru_cache(maxsize=None)
-def _binder(fn):
-    """``args, kwargs -> {name: value}`` with defaults applied, as ``signature.bind`` then
-    ``apply_defaults`` (a collective's wrapper runs it per call; ``bind`` is the slow part): a dict
-    built from the parameter names, and ``bind`` itself for anything but plain arguments (so a wrong
-    call raises its TypeError)."""
+def _binder(fn, wanted: tuple):
+    """``args, kwargs -> {name: value}`` of the parameters ``wanted`` (None for those ``fn`` lacks),
+    defaults applied, as ``signature.bind`` then ``apply_defaults`` give them (a collective's wrapper
+    runs it per call; ``bind`` is the slow part): read from the argument positions, and ``bind``
+    itself for anything but plain arguments (so a wrong call raises its TypeError)."""
     sig = inspect.signature(fn)
     params = list(sig.parameters.values())
     names = [p.name for p in params]
     positional = sum(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
     plain = all(p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) for p in params)
-    defaults = {p.name: p.default for p in params if p.default is not p.empty}
-    required = frozenset(names) - frozenset(defaults)
     known = frozenset(names)
+    # the required parameters a call with n positional arguments must pass by keyword
+    by_keyword = [tuple(p.name for p in params[n:] if p.default is p.empty) for n in range(len(params) + 1)]
+    slots = tuple((w, names.index(w) if w in names[:positional] else len(names),
+                   sig.parameters[w].default if w in known else None) for w in wanted)
 
     def slow(args, kwargs):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        return bound.arguments
+        return {w: bound.arguments.get(w) for w in wanted}
 
     def bind(args, kwargs):
-        if not plain or len(args) > positional or not known.issuperset(kwargs):
+        n = len(args)
+        if not plain or n > positional:
             return slow(args, kwargs)
-        a = dict(defaults)
-        a.update(zip(names, args))
-        if any(n in kwargs for n in names[:len(args)]):
+        if kwargs and (not known.issuperset(kwargs) or any(k in kwargs for k in names[:n])):
             return slow(args, kwargs)
-        a.update(kwargs)
-        if not required.issubset(a):
-            return slow(args, kwargs)
-        return {n: a[n] for n in names}
+        a = {}
+        for w, i, default in slots:
+            a[w] = args[i] if i < n else kwargs.get(w, default)
+        for r in by_keyword[n]:
+            if r not in kwargs:
+                return slow(args, kwargs)
+        return a
     return bind
 
 
-def _wrap(tracer, name, orig):
-    bind = _binder(orig)
+def _wrap(tracer, name, orig, peers: dict):
     in_names, out_names = SPECS[name]
+    bind = _binder(orig, (*in_names, *out_names, *_PEER_ARGS, "async_op"))
+    always_async = name in _ALWAYS_ASYNC
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
@@ -146,12 +164,13 @@ def _wrap(tracer, name, orig):
         a = bind(args, kwargs)
         phase, scope = tracer.current()
         ins = tracer.fps(flat_tensors([a[n] for n in in_names], None))
-        peer = _peer(a)
         res = _run_inside(tracer, orig, args, kwargs)
-        if name == "recv" and isinstance(res, int):
-            peer["src"] = res
-        done = _completion(tracer, name, flat_tensors([a[n] for n in out_names], None), peer, (phase, scope, ins))
-        if res is not None and (a.get("async_op") or name in _ALWAYS_ASYNC):
+        if name == "recv" and isinstance(res, int):  # the sender, known once received
+            fields = extra_json({"peer": {**_peer(a), "src": res}})
+        else:
+            fields = _peer_extra(peers, a)
+        done = _completion(tracer, name, flat_tensors([a[n] for n in out_names], None), fields, (phase, scope, ins))
+        if res is not None and (a["async_op"] or always_async):
             return TracedWork(res, done)
         done()
         return res
@@ -168,12 +187,13 @@ def _wrap_batch(tracer, orig):
         recvs = []
         for op in p2p_op_list:
             kind = getattr(op.op, "__name__", "")
-            peer = {"group": _group_ranks(op.group), ("dst" if kind == "isend" else "src"): op.peer}
+            fields = extra_json({"peer": {"group": _group_ranks(op.group),
+                                          ("dst" if kind == "isend" else "src"): op.peer}})
             if kind == "isend":
                 tracer.record("coll", "batch.isend", tracer.fps([op.tensor]), [], phase=phase, scope=scope,
-                              peer=peer)
+                              fields=fields)
             else:
-                recvs.append(_completion(tracer, "batch.irecv", [op.tensor], peer, (phase, scope, [])))
+                recvs.append(_completion(tracer, "batch.irecv", [op.tensor], fields, (phase, scope, [])))
         works = _run_inside(tracer, orig, (p2p_op_list,), {})
         if not works:
             for r in recvs:
@@ -196,8 +216,10 @@ def installed(tracer):
         yield
         return
 
+    peers: dict = {}  # _peer_extra's, for this step
+
     def wrap(name, fn):
-        return _wrap_batch(tracer, fn) if name == "batch_isend_irecv" else _wrap(tracer, name, fn)
+        return _wrap_batch(tracer, fn) if name == "batch_isend_irecv" else _wrap(tracer, name, fn, peers)
 
     with swap_collectives(wrap, (*SPECS, "batch_isend_irecv")):
         yield

@@ -57,13 +57,20 @@ def _line(step: int, phase: str, scope: str, name: str, n: int, kind: str, ins: 
     return f'{{"step":{step}{head[0]}{n}{head[1]}{_digest_list(ins)},"out":{_digest_list(outs)}'
 
 
+def extra_json(extra: dict) -> str:
+    """A record's extra fields as the JSON its line holds after "out" (without braces): what a
+    caller repeating the same fields renders once and passes to ``record_line`` instead of the dict."""
+    return json.dumps(extra, separators=(",", ":"))[1:-1]
+
+
 def record_line(step: int, phase: str, scope: str, name: str, n: int, kind: str, ins: list, outs: list,
-                extra: dict) -> str:
+                extra: dict | str) -> str:
     """One record as its JSONL line: exactly ``json.dumps`` of the record dict (compact separators),
-    built from cached pieces because an op-level trace writes thousands of lines a step."""
+    built from cached pieces because an op-level trace writes thousands of lines a step. ``extra``:
+    the extra fields, or their ``extra_json``."""
     line = _line(step, phase, scope, name, n, kind, ins, outs)
     if extra:
-        line += "," + json.dumps(extra, separators=(",", ":"))[1:-1]
+        line += "," + (extra if type(extra) is str else extra_json(extra))
     return line + "}"
 
 

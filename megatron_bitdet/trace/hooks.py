@@ -16,11 +16,43 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from megatron_bitdet.trace.digest import flat_tensors, trace_tensors
 from megatron_bitdet.trace.format import json_str
 
 _TENSOR = torch.Tensor
+_HOOK_DICTS = ("_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_forward_hooks", "_forward_hooks_always_called")
+# torch keeps a module's hooks in these dicts (every release since 2.1); where it does not, the public API
+_DIRECT = hasattr(RemovableHandle, "next_id") and all(isinstance(getattr(torch.nn.Module(), d, None), dict)
+                                                         for d in _HOOK_DICTS)
+
+
+def _add_hooks(mod, pre, post):
+    """``register_forward_pre_hook(pre, with_kwargs=True)`` and ``register_forward_hook(post,
+    always_call=True)``, returning what ``_remove_hooks`` takes: the same dict entries under ids from
+    the same counter, without the two RemovableHandles (which made up most of installing every
+    module's hooks for each traced step)."""
+    if not _DIRECT:
+        return (mod.register_forward_pre_hook(pre, with_kwargs=True), mod.register_forward_hook(post, always_call=True))
+    i = RemovableHandle.next_id
+    RemovableHandle.next_id = i + 2
+    mod._forward_pre_hooks[i] = pre
+    mod._forward_pre_hooks_with_kwargs[i] = True
+    mod._forward_hooks[i + 1] = post
+    mod._forward_hooks_always_called[i + 1] = True
+    return i
+
+
+def _remove_hooks(mod, added) -> None:
+    if not _DIRECT:
+        for h in added:
+            h.remove()
+        return
+    mod._forward_pre_hooks.pop(added, None)
+    mod._forward_pre_hooks_with_kwargs.pop(added, None)
+    mod._forward_hooks.pop(added + 1, None)
+    mod._forward_hooks_always_called.pop(added + 1, None)
 
 
 class _GradHook:
@@ -85,12 +117,11 @@ class _ModuleHooks:
     def install(self) -> None:
         for name, mod in self.tr.modules:
             inputs = []  # this module's input fingerprints, a stack for re-entrant calls
-            self.handles.append(mod.register_forward_pre_hook(self._pre(name, inputs), with_kwargs=True))
-            self.handles.append(mod.register_forward_hook(self._post(name, inputs), always_call=True))
+            self.handles.append((mod, _add_hooks(mod, self._pre(name, inputs), self._post(name, inputs))))
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        for mod, added in self.handles:
+            _remove_hooks(mod, added)
         for h in self.tensor_handles:  # a tensor living across steps would keep calling this step's hooks
             h.remove()
         self.tensor_handles.clear()
@@ -144,6 +175,7 @@ class _ModuleHooks:
 
 
 _NATIVE_HOOKS: list = []  # (pre, post) of module index i: the native functions depend only on i
+_NATIVE_NAMES: list = [None]  # the module names the native tracer holds (it keeps them across steps)
 
 
 class _NativeModuleHooks:
@@ -157,16 +189,18 @@ class _NativeModuleHooks:
     def install(self) -> None:
         tr, mod = self.tr, self.tr._native
         names = [name for name, _ in tr.modules]
-        mod.hooks_begin(names, [json_str(n) for n in names], self.record, trace_tensors,
-                        torch.utils._pytree.SUPPORTED_NODES, torch.Tensor)
+        if names == _NATIVE_NAMES[0]:
+            mod.hooks_begin(None, None, self.record, trace_tensors, torch.utils._pytree.SUPPORTED_NODES, torch.Tensor)
+        else:
+            mod.hooks_begin(names, [json_str(n) for n in names], self.record, trace_tensors,
+                            torch.utils._pytree.SUPPORTED_NODES, torch.Tensor)
+            _NATIVE_NAMES[0] = names
         _NATIVE_HOOKS.extend((mod.pre_hook(i), mod.post_hook(i)) for i in range(len(_NATIVE_HOOKS), len(names)))
-        for (_, m), (pre, post) in zip(tr.modules, _NATIVE_HOOKS):
-            self.handles.append(m.register_forward_pre_hook(pre, with_kwargs=True))
-            self.handles.append(m.register_forward_hook(post, always_call=True))
+        self.handles = [(m, _add_hooks(m, pre, post)) for (_, m), (pre, post) in zip(tr.modules, _NATIVE_HOOKS)]
 
     def remove(self) -> None:
-        for h in self.handles:
-            h.remove()
+        for mod, added in self.handles:
+            _remove_hooks(mod, added)
         self.tr._native.hooks_end()
 
 

@@ -73,9 +73,12 @@ class Tracer:
         # which tracer runs module hooks and ops ("native": C++ hooks and dispatcher fallback, or
         # "python"); at level op it is in the header: the op streams differ in a few records, so the
         # analysis refuses to align traces of different ones (module records are the same)
-        impl = ops.implementation(self.config) if level in ("module", "op") and self.enabled else None
+        impl = ops.implementation(self.config) if self.enabled else None
         self.op_tracer = impl if level == "op" else None
-        self._native_mod = native.load() if impl == "native" else None
+        self.tracks_memory = level == "op"  # uninitialized and in-flight buffers: only op records read them
+        mod = native.load() if impl == "native" else None
+        self._native_mod = mod if level in ("module", "op") else None  # runs the step's hooks (and ops)
+        self._native_digests = mod.digests if mod is not None else None  # Tracer.fps at every level
         self._writer = None
         self.capture = None
         if capture and capture.get("rank") == rank and self.enabled:
@@ -145,7 +148,7 @@ class Tracer:
     @quiet.setter
     def quiet(self, n: int) -> None:
         self._quiet = n
-        if self._native is not None:
+        if self._native is not None and self.op_tracer is not None:  # only its op fallback goes quiet
             self._native.set_quiet(n > 0)
 
     def _tell_native(self, setter: str, value: str) -> None:
@@ -169,6 +172,8 @@ class Tracer:
 
     def mark_uninit(self, ptr: int) -> None:
         """Memory whose contents mean nothing until an op writes it (op level's read-artifact check)."""
+        if not self.tracks_memory:
+            return
         if self._native is not None:
             self._native.ptrs_add("uninit", ptr)
         else:
@@ -215,8 +220,8 @@ class Tracer:
                          "n": self._counts.get((ph, sc, name), 0)})
 
     def fps(self, tensors) -> list:
-        if self._native is not None:  # CPU, hash fast: the same digests, in C++ (its ops are not traced)
-            return self._native.digests(tensors)
+        if self._native_digests is not None:  # CPU, hash fast: the same digests, in C++ (no torch op traced)
+            return self._native_digests(tensors)
         self.quiet += 1
         try:
             mode = self.config.hash
@@ -227,7 +232,8 @@ class Tracer:
             self.quiet -= 1
 
     def record(self, kind: str, name: str, ins: list, outs: list, phase: str | None = None,
-               scope: str | None = None, **extra) -> None:
+               scope: str | None = None, fields: str = "", **extra) -> None:
+        """``fields``: the extra fields already as ``format.extra_json`` (instead of ``extra``)."""
         if phase and scope is not None:  # given both (backward and collective records): no lookup
             ph, sc = phase, scope
         else:
@@ -236,7 +242,7 @@ class Tracer:
         key = (ph, sc, name)
         n = self._counts.get(key, 0)
         self._counts[key] = n + 1
-        self._append((self._step, ph, sc, name, n, kind, ins, outs, extra))
+        self._append((self._step, ph, sc, name, n, kind, ins, outs, fields or extra))
 
     def record_op(self, name: str, ins: list, outs: list, flags: list | None) -> None:
         """``record("op", ...)`` for the dispatch mode: the same record, built as its line at once."""

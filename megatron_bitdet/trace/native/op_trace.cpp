@@ -26,6 +26,7 @@
 
 #include <dlfcn.h>
 
+#include <algorithm>
 #include <array>
 #include <cinttypes>
 #include <cstdio>
@@ -64,7 +65,8 @@ struct GradEntry {
 struct GradState {
   std::optional<c10::weak_intrusive_ptr<c10::TensorImpl>> tensor;  // held: the address is not reused while mapped
   std::shared_ptr<std::vector<GradEntry>> entries;  // those of the tensor hook this step put on it last
-  py::object handle_id;
+  py::object handle_id;                             // that hook's, when it is a Python one
+  const torch::autograd::FunctionPreHook* node_hook = nullptr;  // that hook, when it is a NodeHook
   uint32_t version = 0;
   bool out_claimed = false, in_claimed = false;
 };
@@ -78,7 +80,10 @@ struct Hooks {
   std::vector<std::pair<size_t, std::vector<std::string>>> grad_out;
   std::unordered_map<size_t, size_t> grad_out_at;
   py::object trace_tensors, nodes, tensor_type;
-  py::list handles;  // the tensor hooks' handles, removed with the step
+  py::list handles;  // the Python tensor hooks' handles, removed with the step
+  // the NodeHooks, removed with the step from their nodes (where those still exist)
+  std::vector<std::pair<c10::weak_intrusive_ptr<torch::autograd::Node>, const torch::autograd::FunctionPreHook*>>
+      node_hooks;
 };
 
 struct State {
@@ -482,15 +487,16 @@ std::vector<std::string> digests(const std::vector<T>& tensors) {
   return out;
 }
 
-void grad_hook(const std::vector<GradEntry>& entries, py::handle grad) {
+// A tensor hook's entries for gradient `grad` (undefined: None).
+void grad_hook(const std::vector<GradEntry>& entries, const at::Tensor& grad) {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   Hooks& h = s.hooks;
   if (!s.active || !h.on) return;
   std::optional<std::string> fp;
-  if (h.record && !grad.is_none()) {
+  if (h.record && grad.defined()) {
     c10::impl::ExcludeDispatchKeyGuard guard(c10::DispatchKey::Fake);
-    fp = digest(unpack(grad));
+    fp = digest(grad);
   }
   for (const auto& e : entries) {
     if (e.out) {
@@ -516,9 +522,36 @@ void grad_hook(const std::vector<GradEntry>& entries, py::handle grad) {
   }
 }
 
+// The tensor hook `register_hook` would add, without Python: put on the tensor's grad_fn where
+// Tensor.register_hook puts the one that runs its Python hooks (grad_fn._register_hook_dict), it
+// receives the gradient of output `output_nr` there, and runs where that one would run.
+struct NodeHook : torch::autograd::FunctionPreHook {
+  NodeHook(std::shared_ptr<std::vector<GradEntry>> entries, size_t output_nr)
+      : entries(std::move(entries)), output_nr(output_nr) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& grads) override {
+    grad_hook(*entries, grads.at(output_nr));
+    return grads;
+  }
+  std::shared_ptr<std::vector<GradEntry>> entries;
+  size_t output_nr;
+};
+
+// Whether the hook `g` holds is still the last of the tensor's hooks, so that an entry added to it
+// runs where a hook of its own would (a Python hook: the last of its Python hooks; a NodeHook: the
+// last tensor hook on its grad_fn, which a Python hook added since would follow).
+bool last_hook(const GradState& g, const at::Tensor& t, py::handle obj) {
+  if (g.node_hook) {
+    const auto& fn = t.grad_fn();
+    return fn && !fn->tensor_pre_hooks().empty() && fn->tensor_pre_hooks().back().get() == g.node_hook;
+  }
+  py::object hooks = obj.attr("_backward_hooks");
+  return !hooks.is_none() && py::len(hooks) && hooks.attr("__reversed__")().attr("__next__")().equal(g.handle_id);
+}
+
 // hooks._attach: an entry per tensor, merged into the tensor hook this step put on it last while ours
-// is still its last Python hook and it is unmodified in place; otherwise a new tensor hook. Runs
-// without the lock (register_hook is Python).
+// is still its last hook and it is unmodified in place; otherwise a new tensor hook: a NodeHook
+// where the tensor has a grad_fn and no Python hooks (their order against ours is then the one
+// Python hooks would have), else Tensor.register_hook. Runs without the lock (that is Python).
 void attach(const std::vector<py::object>& tensors, bool out, size_t module, const std::string& parent,
             const std::string& parent_js) {
   State& s = S();
@@ -539,20 +572,34 @@ void attach(const std::vector<py::object>& tensors, bool out, size_t module, con
     }
     if (!(moves || h.record)) continue;
     GradEntry entry{out, module, parent, parent_js, moves};
-    if (g->entries && t._version() == g->version && Py_TYPE(obj.ptr()) == reinterpret_cast<PyTypeObject*>(h.tensor_type.ptr())) {
-      py::object hooks = obj.attr("_backward_hooks");
-      if (!hooks.is_none() && py::len(hooks) && hooks.attr("__reversed__")().attr("__next__")().equal(g->handle_id)) {
-        std::lock_guard<std::mutex> lock(s.mu);
-        g->entries->push_back(std::move(entry));
-        continue;
-      }
+    bool plain = Py_TYPE(obj.ptr()) == reinterpret_cast<PyTypeObject*>(h.tensor_type.ptr());
+    if (g->entries && t._version() == g->version && plain && last_hook(*g, t, obj)) {
+      std::lock_guard<std::mutex> lock(s.mu);
+      g->entries->push_back(std::move(entry));
+      continue;
     }
     auto entries = std::make_shared<std::vector<GradEntry>>();
     entries->push_back(std::move(entry));
-    py::object handle = obj.attr("register_hook")(py::cpp_function([entries](py::object grad) { grad_hook(*entries, grad); }));
+    const auto& fn = t.grad_fn();
+    if (plain && fn && reinterpret_cast<THPVariable*>(obj.ptr())->backward_hooks == nullptr) {
+      auto hook = std::make_unique<NodeHook>(entries, t.output_nr());
+      const torch::autograd::FunctionPreHook* raw = hook.get();
+      fn->add_tensor_pre_hook(std::move(hook));
+      std::lock_guard<std::mutex> lock(s.mu);
+      h.node_hooks.emplace_back(c10::weak_intrusive_ptr<torch::autograd::Node>(fn), raw);
+      g->entries = std::move(entries);
+      g->node_hook = raw;
+      g->handle_id = py::object();
+      g->version = t._version();
+      continue;
+    }
+    py::object handle = obj.attr("register_hook")(py::cpp_function([entries](py::object grad) {
+      grad_hook(*entries, grad.is_none() ? at::Tensor() : unpack(grad));
+    }));
     h.handles.append(handle);
     std::lock_guard<std::mutex> lock(s.mu);
     g->entries = std::move(entries);
+    g->node_hook = nullptr;
     g->handle_id = handle.attr("id");
     g->version = t._version();
   }
@@ -605,16 +652,18 @@ void on_post(size_t module, py::handle output) {
 
 }  // namespace
 
-// The module hooks of one traced step: names / names_js per module index (Tracer.modules), digest's
-// trace_tensors and pytree nodes for arguments flat_tensors does not walk itself, torch.Tensor.
-void hooks_begin(const std::vector<std::string>& names, const std::vector<std::string>& names_js, bool record,
-                 py::object trace_tensors, py::object nodes, py::object tensor_type) {
+// The module hooks of one traced step: names / names_js per module index (Tracer.modules; None: those
+// of the last step, kept), digest's trace_tensors and pytree nodes for arguments flat_tensors does not
+// walk itself, torch.Tensor.
+void hooks_begin(std::optional<std::vector<std::string>> names, std::optional<std::vector<std::string>> names_js,
+                 bool record, py::object trace_tensors, py::object nodes, py::object tensor_type) {
   State& s = S();
   std::lock_guard<std::mutex> lock(s.mu);
   Hooks& h = s.hooks;
   h.on = true, h.record = record;
-  h.names = names, h.names_js = names_js;
-  h.inputs.assign(names.size(), {});
+  if (names) h.names = std::move(*names);
+  if (names_js) h.names_js = std::move(*names_js);
+  h.inputs.assign(h.names.size(), {});
   h.trace_tensors = std::move(trace_tensors), h.nodes = std::move(nodes), h.tensor_type = std::move(tensor_type);
 }
 
@@ -627,6 +676,14 @@ void hooks_end() {
   std::swap(handles, h.handles);
   for (py::handle handle : handles) handle.attr("remove")();
   std::lock_guard<std::mutex> lock(s.mu);
+  for (auto& [node, hook] : h.node_hooks) {
+    if (auto fn = node.lock()) {
+      auto& hooks = fn->tensor_pre_hooks();
+      hooks.erase(std::remove_if(hooks.begin(), hooks.end(), [hook = hook](const auto& x) { return x.get() == hook; }),
+                  hooks.end());
+    }
+  }
+  h.node_hooks.clear();
   if (h.on && h.record)
     for (const auto& [module, fps] : h.grad_out)
       if (!fps.empty()) write_record(s, kBackwardJs, h.names_js[module], kBackward, "module", fps, {});
