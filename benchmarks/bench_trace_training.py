@@ -3,17 +3,21 @@ op-level tracing (goals: module <= 1.1x, op <= 2x, stretch 1.5x; semantic, every
 what the collectives and events cost before any hook).
 
 ONE 2-rank launch builds the model once; each round runs one real training step (``train_steps``,
-fingerprints included) per configuration, in alternating order (A B C, C B A, ...), each timed after
-a barrier; a round's time is the slowest rank's. Ratios are paired medians over rounds (each round's
-traced / untraced), so machine drift cancels. The training state advances through every step alike.
-Every step starts after an untimed ``gc.collect()``: otherwise a collection that one configuration's
-garbage triggers lands in whichever step runs next (the module-level step follows the op-level one in
-half the rounds, the untraced one never does).
+fingerprints included) per configuration, each timed after a barrier; a round's time is the slowest
+rank's. Ratios are paired medians over rounds (each round's traced / untraced), so machine drift
+cancels. The training state advances through every step alike. The order is shuffled every round (one
+seed, the same on every rank): what a step leaves behind (caches, the allocator's free lists after the
+op level's 200 MiB of hashing) then lands on every configuration alike, where a fixed alternation (A B C,
+C B A) had the module level follow the op level in half the rounds and the untraced step never. Every
+step starts after an untimed ``gc.collect()`` for the same reason (one configuration's garbage would
+trigger a collection in the next step). Per-step times on this 2-core machine spread by ±20% (two ranks
+and their OpenMP threads share the cores): the paired median of 12 rounds moves by ±5% between runs,
+of 100 (the default) by about ±2%.
 CPU time (both ranks' processes, every thread) is printed beside wall time: on a shared machine it moves
 less with other load. The 1-minute load average is printed with the figures.
 "Outside the window" (nothing installed) is checked by tests/test_trace_training.py, not timed here.
 
-    .venv/bin/python benchmarks/bench_trace_training.py [--rounds 12] [--warmup 2] [--profile [LEVEL]]
+    .venv/bin/python benchmarks/bench_trace_training.py [--rounds 100] [--warmup 3] [--profile [LEVEL]]
 
 ``--profile`` also prints rank 0's cProfile top functions of one step traced at LEVEL (default op).
 """
@@ -22,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import statistics
 import sys
 import tempfile
@@ -131,8 +136,9 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
         step += 1
         return time.perf_counter() - t0, time.process_time() - c0
 
+    order = random.Random(0)
     for r in range(warmup + rounds):
-        for config in (CONFIGS if r % 2 == 0 else CONFIGS[::-1]):
+        for config in order.sample(CONFIGS, len(CONFIGS)):
             s, c = one(config)
             if r >= warmup:
                 times[config].append(s)
@@ -204,8 +210,8 @@ def paired_ratio(per_round: dict, config: str) -> float:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", nargs="?", const="op", choices=("module", "op"), default=None,
                     help="also profile one step traced at this level (default op)")
     args = ap.parse_args()
@@ -217,7 +223,7 @@ def main() -> None:
     per_round, cpu, volume = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup, profile=args.profile)
     costs = digest_costs()
     load1 = os.getloadavg()[0]
-    print(f"\nstep time, default recipe, 2 ranks, {args.rounds} interleaved rounds after {args.warmup} warm-up "
+    print(f"\nstep time, default recipe, 2 ranks, {args.rounds} rounds (order shuffled) after {args.warmup} warm-up "
           f"(slowest rank per round):")
     print(f"  {'config':<10} {'p10 ms':>8} {'p50 ms':>8} {'p90 ms':>8} {'paired ratio':>13}")
     for c in CONFIGS:
