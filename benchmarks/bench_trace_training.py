@@ -12,7 +12,7 @@ C B A) had the module level follow the op level in half the rounds and the untra
 step starts after an untimed ``gc.collect()`` for the same reason (one configuration's garbage would
 trigger a collection in the next step). Per-step times on this 2-core machine spread by ±20% (two ranks
 and their OpenMP threads share the cores): the paired median of 12 rounds moves by ±5% between runs,
-of 100 (the default) by about ±2%.
+of 100 (the default) still by ±5%.
 CPU time (both ranks' processes, every thread) is printed beside wall time: on a shared machine it moves
 less with other load. The 1-minute load average is printed with the figures.
 "Outside the window" (nothing installed) is checked by tests/test_trace_training.py, not timed here.
