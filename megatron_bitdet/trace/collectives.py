@@ -64,7 +64,7 @@ _PEER_ARGS = ("group", "src", "dst", "group_src", "group_dst")
 def _peer_extra(peers: dict, a: dict) -> str:
     """The record's ``"peer":{...}`` field as JSON, made once per (group, src, dst) in a step: the
     same collectives run with the same peers every micro-batch."""
-    key = tuple(a.get(k) for k in _PEER_ARGS)
+    key = (a["group"], a["src"], a["dst"], a["group_src"], a["group_dst"])  # _PEER_ARGS: bound for every call
     js = peers.get(key)
     if js is None:
         js = peers[key] = extra_json({"peer": _peer(a)})
