@@ -581,26 +581,24 @@ void attach(const std::vector<py::object>& tensors, bool out, size_t module, con
     auto entries = std::make_shared<std::vector<GradEntry>>();
     entries->push_back(std::move(entry));
     const auto& fn = t.grad_fn();
+    const torch::autograd::FunctionPreHook* node_hook = nullptr;
+    py::object handle_id;
     if (plain && fn && reinterpret_cast<THPVariable*>(obj.ptr())->backward_hooks == nullptr) {
       auto hook = std::make_unique<NodeHook>(entries, t.output_nr());
-      const torch::autograd::FunctionPreHook* raw = hook.get();
+      node_hook = hook.get();
       fn->add_tensor_pre_hook(std::move(hook));
-      std::lock_guard<std::mutex> lock(s.mu);
-      h.node_hooks.emplace_back(c10::weak_intrusive_ptr<torch::autograd::Node>(fn), raw);
-      g->entries = std::move(entries);
-      g->node_hook = raw;
-      g->handle_id = py::object();
-      g->version = t._version();
-      continue;
+    } else {
+      py::object handle = obj.attr("register_hook")(py::cpp_function([entries](py::object grad) {
+        grad_hook(*entries, grad.is_none() ? at::Tensor() : unpack(grad));
+      }));
+      h.handles.append(handle);
+      handle_id = handle.attr("id");
     }
-    py::object handle = obj.attr("register_hook")(py::cpp_function([entries](py::object grad) {
-      grad_hook(*entries, grad.is_none() ? at::Tensor() : unpack(grad));
-    }));
-    h.handles.append(handle);
     std::lock_guard<std::mutex> lock(s.mu);
+    if (node_hook) h.node_hooks.emplace_back(c10::weak_intrusive_ptr<torch::autograd::Node>(fn), node_hook);
     g->entries = std::move(entries);
-    g->node_hook = nullptr;
-    g->handle_id = handle.attr("id");
+    g->node_hook = node_hook;
+    g->handle_id = std::move(handle_id);
     g->version = t._version();
   }
 }
@@ -805,7 +803,7 @@ std::string tensor_digest(const at::Tensor& t) {
   return digest(t);
 }
 
-// Tracer.fps while the native tracer runs the step: one call for the list
+// Tracer.fps at every level where the native tracer applies: one call for the list
 std::vector<std::string> tensor_digests(const std::vector<at::Tensor>& ts) {
   std::lock_guard<std::mutex> lock(S().mu);
   return digests(ts);
