@@ -205,14 +205,19 @@ def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: str | None
     return per_round, cpu, data["op_trace"]
 
 
+def _ratios(per_round: dict, config: str) -> list[float]:
+    """Each round's traced / untraced."""
+    return [x / b for x, b in zip(per_round[config], per_round["untraced"])]
+
+
 def paired_ratio(per_round: dict, config: str) -> float:
-    return statistics.median(x / b for x, b in zip(per_round[config], per_round["untraced"]))
+    return statistics.median(_ratios(per_round, config))
 
 
 def ratio_interval(per_round: dict, config: str, resamples: int = 2000) -> tuple[float, float]:
     """A 95% bootstrap interval of the paired median (rounds resampled with replacement, one seed):
     how far this run's figure can be trusted on a machine whose single steps spread by +-20%."""
-    ratios = [x / b for x, b in zip(per_round[config], per_round["untraced"])]
+    ratios = _ratios(per_round, config)
     rng = random.Random(1)
     meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
     return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]

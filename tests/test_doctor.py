@@ -50,7 +50,8 @@ def test_fused_aux_loss_style_moe_only_divergence(tmp_path, at_root, capsys):
     # The planted sums differ run to run in their last bits, but in this tiny model a one-ulp difference
     # is often absorbed by the loss's later arithmetic: over 8 runs (28 pairs) the 3 aux values of a step
     # coincided in 25-100% of pairs each, so 3 steps (9 values) all coincided about once in 50 pairs
-    # (seen once in CI). 8 steps (24 values) make a false "match" a few-in-10^5 event (that rate per step, to the 8th power).
+    # (seen once in CI). 8 steps (24 values) make a false "match" a few-in-10^5 event (that rate per step,
+    # to the 8th power).
     a, b = _pair(tmp_path, "examples.planted_nondeterminism:fused_aux_loss_provider", "training.iterations=8")
     assert main(["doctor", a, b, "--offline"]) == 1
     out = capsys.readouterr().out
