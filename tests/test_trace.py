@@ -146,14 +146,66 @@ def test_tracing_off_installs_nothing(tmp_path):
         assert not model._forward_pre_hooks and not model._forward_hooks
         assert dist.all_reduce is orig and torch._C._len_torch_dispatch_stack() == 0 and not mod.installed()
         model(torch.ones(2))
-    with tr.step(5):
-        assert model._forward_pre_hooks and dist.all_reduce is not orig and mod.installed()
-    assert not model._forward_pre_hooks and dist.all_reduce is orig and not mod.installed()
+    with tr.step(5):  # the module hooks as a forward wrapper (nn.Module's fast path, see the next test)
+        assert "forward" in vars(model) and dist.all_reduce is not orig and mod.installed()
+    assert "forward" not in vars(model) and dist.all_reduce is orig and not mod.installed()
     tr.close()
     _, recs = records(tmp_path)
     assert {r["step"] for r in recs} == {5} or recs == []
     other = Tracer(tmp_path / "other", 3, 4, level="op", ranks={0, 1})
     assert not other.enabled and not (tmp_path / "other").exists()
+
+
+class Raises(torch.nn.Module):
+    def forward(self, x):
+        raise ValueError("planted")
+
+
+@pytest.mark.parametrize("op_tracer", ["native", "python"])
+def test_module_hooks_wrap_forward_or_register_with_the_same_records(tmp_path, monkeypatch, op_tracer):
+    """A module on nn.Module's fast path gets the tracer's hooks as a forward wrapper (registered hooks
+    would send each call through the slow path); one with a hook of its own, or any module while a
+    global hook exists, gets them registered. Both write the same records; the wrapper goes with the
+    step (an instance ``forward`` it shadowed comes back), and a forward that raises leaves the scope
+    as the always-called hook does."""
+    if op_tracer == "python":
+        monkeypatch.setenv(native.ENV, "python")
+    from torch.nn.modules.module import register_module_forward_hook
+
+    def run(run_dir, global_hook):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(Block(), Block(), Raises())
+        model[1].register_forward_pre_hook(lambda m, args: None)  # a hook of its own: registered
+        shadowed = model[0].fc2.forward  # an instance forward, set before the step
+        model[0].fc2.forward = shadowed
+        handle = register_module_forward_hook(lambda m, args, out: None) if global_hook else None
+        try:
+            with Tracer(run_dir, 0, 1, level="module") as tr:
+                tr.attach(model)
+                with tr.step(1):
+                    wrapped = {name for name, m in model.named_modules()
+                               if vars(m).get("forward", shadowed) is not shadowed}
+                    hooked = {name for name, m in model.named_modules() if m._forward_hooks}
+                    x = torch.randn(4, 8, requires_grad=True)
+                    model[1](model[0](x)).sum().backward()
+                    with pytest.raises(ValueError, match="planted"):
+                        model[2](x)
+                    assert tr.current()[1] == ""
+        finally:
+            if handle is not None:
+                handle.remove()
+        assert vars(model[0].fc2)["forward"] is shadowed
+        assert not any("forward" in vars(m) for m in (model, model[0], model[1], model[2], model[0].fc1))
+        assert not any(m._forward_hooks for m in model.modules())
+        return wrapped, hooked, {name for name, _ in model.named_modules()}
+
+    wrapped, hooked, names = run(tmp_path / "wrap", global_hook=False)
+    assert hooked == {"1"} and wrapped == names - {"1"}
+    assert run(tmp_path / "hooks", global_hook=True) == (set(), names, names)
+    a, b = (trace_path(tmp_path / d, 0).read_bytes() for d in ("wrap", "hooks"))
+    recs = records(tmp_path / "wrap")[1]
+    assert a == b and {"0.fc1", "1.fc2", "2"} <= {r["scope"] for r in recs if r["name"] == "forward"}
+    assert {"0.fc1", "1.fc2"} <= {r["scope"] for r in recs if r["name"] == "backward"}
 
 
 def test_truncated_final_record_is_detected(tmp_path):

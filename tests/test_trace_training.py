@@ -33,7 +33,9 @@ class _Probe(torch.nn.Module):
 
         mods = list(self._root[0].modules())
         seen = {
-            "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks) for m in mods),
+            # the tracer's module hooks: registered, or a forward wrapper (an instance ``forward``)
+            "hooks": sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+                         + ("forward" in vars(m)) for m in mods),
             "global_hooks": len(torch.nn.modules.module._global_forward_hooks),
             "dispatch_modes": len(_get_current_dispatch_mode_stack()),
             "all_reduce_wrapped": torch.distributed.all_reduce is not _ALL_REDUCE,

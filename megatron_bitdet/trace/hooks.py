@@ -8,6 +8,11 @@ A tensor is usually several modules' output and the next ones' input; its entrie
 that hooked it) share one tensor hook, in the order they were added, as long as no other hook was
 added to the tensor in between and it was not modified in place (see ``_attach``).
 
+A module with no hook of its own (while no global module hook exists) gets the forward hooks as a
+wrapper of its ``forward`` instead (``_wrap_forward``): the same records, without nn.Module's slow
+call path. A direct ``m.forward(...)`` call (megatron makes a few, e.g. megatron-FSDP on the model it
+wraps) is then recorded too, where registered hooks never see it; both tracers do the same.
+
 Where the native tracer runs the step, the hooks are its C++ functions (``op_trace.cpp``: the same
 logic, records and scopes kept in C++); these Python hooks run everywhere else, with the same records.
 """
@@ -28,11 +33,56 @@ _DIRECT = hasattr(RemovableHandle, "next_id") and all(isinstance(getattr(torch.n
                                                          for d in _HOOK_DICTS)
 
 
+_M = torch.nn.modules.module  # its global hook dicts
+_SHADOWS_NOTHING = object()
+
+
+class _Forward:
+    """What ``_wrap_forward`` set (``wrapper``) and the instance ``forward`` it shadows, to put back."""
+
+    __slots__ = ("wrapper", "shadowed")
+
+    def __init__(self, wrapper, shadowed):
+        self.wrapper, self.shadowed = wrapper, shadowed
+
+
+def _fast_path(mod) -> bool:
+    """Whether nn.Module would call ``mod.forward`` at once (its fast path: no hook of the module's
+    own, none global, not compiled)."""
+    return not (mod._backward_hooks or mod._backward_pre_hooks or mod._forward_hooks or mod._forward_pre_hooks
+                or _M._global_backward_pre_hooks or _M._global_backward_hooks or _M._global_forward_hooks
+                or _M._global_forward_pre_hooks or getattr(mod, "_compiled_call_impl", None) is not None)
+
+
+def _wrap_forward(mod, pre, post) -> _Forward:
+    """``pre`` and ``post`` around ``mod.forward``, as an instance attribute: nn.Module keeps its fast
+    path, where registered hooks would send every call through its slow one (a closure, a set and the
+    hook loops per call: most of what module hooks cost in a step). Only for a module on the fast path:
+    they then run where the hooks would, after any pre-hook and before any forward hook (there are
+    none), ``post`` also when forward raises (``always_call``)."""
+    shadowed = mod.__dict__.get("forward", _SHADOWS_NOTHING)
+    orig = mod.forward
+
+    def forward(*args, **kwargs):
+        pre(mod, args, kwargs)
+        out = None
+        try:
+            out = orig(*args, **kwargs)
+        finally:
+            post(mod, args, out)
+        return out
+    mod.__dict__["forward"] = forward
+    return _Forward(forward, shadowed)
+
+
 def _add_hooks(mod, pre, post):
-    """``register_forward_pre_hook(pre, with_kwargs=True)`` and ``register_forward_hook(post,
-    always_call=True)``, returning what ``_remove_hooks`` takes: the same dict entries under ids from
-    the same counter, without the two RemovableHandles (which made up most of installing every
-    module's hooks for each traced step)."""
+    """``pre`` as ``register_forward_pre_hook(pre, with_kwargs=True)`` and ``post`` as
+    ``register_forward_hook(post, always_call=True)``, returning what ``_remove_hooks`` takes: on a
+    module on nn.Module's fast path a forward wrapper (``_wrap_forward``); else the same dict entries
+    under ids from the same counter, without the two RemovableHandles (which made up most of
+    installing every module's hooks for each traced step)."""
+    if _fast_path(mod):
+        return _wrap_forward(mod, pre, post)
     if not _DIRECT:
         return (mod.register_forward_pre_hook(pre, with_kwargs=True), mod.register_forward_hook(post, always_call=True))
     i = RemovableHandle.next_id
@@ -45,6 +95,13 @@ def _add_hooks(mod, pre, post):
 
 
 def _remove_hooks(mod, added) -> None:
+    if type(added) is _Forward:
+        if mod.__dict__.get("forward") is added.wrapper:  # not replaced again meanwhile
+            if added.shadowed is _SHADOWS_NOTHING:
+                del mod.__dict__["forward"]
+            else:
+                mod.__dict__["forward"] = added.shadowed
+        return
     if not _DIRECT:
         for h in added:
             h.remove()
