@@ -256,6 +256,40 @@ def test_two_rank_gloo_traces_align_and_name_peers(tmp_path):
     assert [r for r in r0 if r["k"] == "coll"][0]["out"] == [r for r in r1 if r["k"] == "coll"][0]["out"]
 
 
+def _coalesced_worker(rank, run_dir, rdzv, async_ops):
+    """megatron's DDP pattern: a reduce-scatter, then an all-gather, each queued in a coalescing block
+    (the manager looked up at the call, as megatron's import-time alias is rebound)."""
+    dist.init_process_group("gloo", init_method=f"file://{rdzv}", rank=rank, world_size=2)
+    with Tracer(run_dir, rank, 2, level="semantic", steps=(1, 1)) as tr:
+        with tr.step(1):
+            full, shard, gathered = torch.arange(8.0) + 10 * rank, torch.full((4,), -1.0), torch.zeros(8)
+            with dist._coalescing_manager(async_ops=async_ops) as cm:
+                dist.reduce_scatter_tensor(shard, full, async_op=async_ops)
+            if async_ops:
+                cm.wait()
+            with dist._coalescing_manager(None, async_ops=async_ops) as cm:
+                dist.all_gather_into_tensor(gathered, shard, async_op=async_ops)
+            if async_ops:
+                cm.wait()
+            tr.event("after", [shard, gathered])
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("async_ops", [False, True], ids=["sync", "async"])
+def test_coalesced_collectives_are_recorded_once_they_ran(tmp_path, async_ops):
+    """Inside ``_coalescing_manager`` c10d only queues a collective and runs the block at its end: the
+    record's outputs are hashed then (for an async block at the manager's wait()), never before the
+    collective ran, and an async one is recorded although its own Work is never waited on."""
+    mp.spawn(_coalesced_worker, args=(str(tmp_path), str(tmp_path / "rdzv"), async_ops), nprocs=2)
+    for rank in (0, 1):
+        recs = records(tmp_path, rank)[1]
+        colls = [r for r in recs if r["k"] == "coll"]
+        (after,) = [r for r in recs if r["name"] == "after"]
+        assert [r["name"] for r in colls] == ["reduce_scatter_tensor", "all_gather_into_tensor"]
+        assert colls[0]["out"] == [after["out"][0]] and colls[1]["out"] == [after["out"][1]]
+        assert colls[1]["in"] == [after["out"][0]]  # the all-gather sends the reduced shard
+
+
 def test_digests_see_writes_that_bypass_aten():
     """Digests are never reused: bytes written behind the dispatcher (numpy, ctypes) after a tensor
     was hashed change its next digest, which equals a fresh copy's."""

@@ -1,7 +1,9 @@
 """torch.distributed wrappers, present only during a traced step.
 
 Inputs are fingerprinted before the call, outputs after completion: for async ops at `wait()` of the
-returned Work (wrapped). Each record names its peers (group ranks, src / dst as global ranks) so the
+returned Work (wrapped); for a collective c10d only queues (inside ``_coalescing_manager``, as
+megatron's DDP reduces gradients and gathers parameters) when the block has run it: at the block's
+end, or for an async block at the coalescing manager's ``wait()``. Each record names its peers (group ranks, src / dst as global ranks) so the
 analysis can follow a differing input to the rank that sent it. ``compat.collectives`` swaps them in
 wherever megatron bound them.
 """
@@ -13,6 +15,7 @@ import threading
 from contextlib import contextmanager
 
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from megatron_bitdet.compat.collectives import swap_collectives
 from megatron_bitdet.trace.digest import flat_tensors
@@ -152,7 +155,16 @@ def _binder(fn, wanted: tuple):
     return bind
 
 
-def _wrap(tracer, name, orig, peers: dict):
+def _queue(group):
+    """The op list c10d queues ``group``'s collectives in right now (inside ``_coalescing_manager``),
+    or None; its identity names the coalescing block."""
+    state = getattr(getattr(c10d, "_world", None), "pg_coalesce_state", None)
+    if not state:
+        return None
+    return state.get(group if group is not None else c10d._get_default_group())
+
+
+def _wrap(tracer, name, orig, peers: dict, blocks: dict):
     in_names, out_names = SPECS[name]
     bind = _binder(orig, (*in_names, *out_names, *_PEER_ARGS, "async_op"))
     always_async = name in _ALWAYS_ASYNC
@@ -164,12 +176,17 @@ def _wrap(tracer, name, orig, peers: dict):
         a = bind(args, kwargs)
         phase, scope = tracer.current()
         ins = tracer.fps(flat_tensors([a[n] for n in in_names], None))
+        queue = _queue(a["group"]) if blocks else None
+        queued = len(queue) if queue is not None else 0
         res = _run_inside(tracer, orig, args, kwargs)
         if name == "recv" and isinstance(res, int):  # the sender, known once received
             fields = extra_json({"peer": {**_peer(a), "src": res}})
         else:
             fields = _peer_extra(peers, a)
         done = _completion(tracer, name, flat_tensors([a[n] for n in out_names], None), fields, (phase, scope, ins))
+        if queue is not None and len(queue) > queued and id(queue) in blocks:  # queued: runs at the block's end
+            blocks[id(queue)].append(done)
+            return res
         if res is not None and (a["async_op"] or always_async):
             return TracedWork(res, done)
         done()
@@ -210,16 +227,57 @@ def _wrap_batch(tracer, orig):
     return wrapper
 
 
+def _wrap_coalescing(tracer, orig, blocks: dict):
+    """_coalescing_manager: the collectives queued in the block are recorded once they have run, at
+    the block's end, or for ``async_ops`` when the manager it yields is waited on."""
+    bind = _binder(orig, ("group", "async_ops"))
+
+    @contextmanager
+    @functools.wraps(orig)
+    def wrapper(*args, **kwargs):
+        if getattr(_local, "inside", False) or not tracer.active:
+            with orig(*args, **kwargs) as cm:
+                yield cm
+            return
+        a = bind(args, kwargs)
+        dones: list = []
+        with orig(*args, **kwargs) as cm:
+            key = id(_queue(a["group"]))
+            blocks[key] = dones
+            try:
+                yield cm
+            finally:
+                blocks.pop(key, None)
+        if not a["async_ops"]:
+            for done in dones:
+                done()
+            return
+        wait = cm.wait
+
+        def waited(*args, **kwargs):
+            result = wait(*args, **kwargs)
+            while dones:
+                dones.pop(0)()
+            return result
+        cm.wait = waited
+    return wrapper
+
+
 @contextmanager
 def installed(tracer):
     if not dist.is_available():
         yield
         return
 
-    peers: dict = {}  # _peer_extra's, for this step
+    peers: dict = {}   # _peer_extra's, for this step
+    blocks: dict = {}  # id(queue) -> completions, per open coalescing block (_wrap_coalescing)
 
     def wrap(name, fn):
-        return _wrap_batch(tracer, fn) if name == "batch_isend_irecv" else _wrap(tracer, name, fn, peers)
+        if name == "batch_isend_irecv":
+            return _wrap_batch(tracer, fn)
+        if name == "_coalescing_manager":
+            return _wrap_coalescing(tracer, fn, blocks)
+        return _wrap(tracer, name, fn, peers, blocks)
 
-    with swap_collectives(wrap, (*SPECS, "batch_isend_irecv")):
+    with swap_collectives(wrap, (*SPECS, "batch_isend_irecv", "_coalescing_manager")):
         yield
