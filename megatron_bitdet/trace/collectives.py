@@ -3,9 +3,9 @@
 Inputs are fingerprinted before the call, outputs after completion: for async ops at `wait()` of the
 returned Work (wrapped); for a collective c10d only queues (inside ``_coalescing_manager``, as
 megatron's DDP reduces gradients and gathers parameters) when the block has run it: at the block's
-end, or for an async block at the coalescing manager's ``wait()``. Each record names its peers (group ranks, src / dst as global ranks) so the
-analysis can follow a differing input to the rank that sent it. ``compat.collectives`` swaps them in
-wherever megatron bound them.
+end, or for an async block at the coalescing manager's ``wait()``. Each record names its peers
+(group ranks, src / dst as global ranks) so the analysis can follow a differing input to the rank
+that sent it. ``compat.collectives`` swaps them in wherever megatron bound them.
 """
 from __future__ import annotations
 
