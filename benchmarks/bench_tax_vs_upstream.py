@@ -24,11 +24,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-SHAPES = {
-    "default": [],
-    "large": ["model.hidden_size=256", "model.seq_length=256", "model.ffn_hidden_size=512",
-              "model.moe.ffn_hidden_size=256", "model.moe.shared_expert_ffn_hidden_size=256"],
-}
+from benchmarks.shapes import SHAPES  # noqa: E402  (the root on the path first)
 
 
 def sides_for(recipe) -> list[dict]:
