@@ -237,25 +237,25 @@ def verdict(ratio: float, interval: tuple[float, float], goal: float) -> str:
 
 
 def main() -> None:
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.shapes import SHAPES
+    from megatron_bitdet.recipe import load_recipe
+
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=100)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", nargs="?", const="op", choices=("module", "op"), default=None,
                     help="also profile one step traced at this level (default op)")
-    ap.add_argument("--shape", choices=("default", "large"), default="default")
+    ap.add_argument("--shape", choices=tuple(SHAPES), default="default")
     args = ap.parse_args()
-    sys.path.insert(0, str(ROOT))
-    from benchmarks.shapes import SHAPES
-    from megatron_bitdet.recipe import load_recipe
-
     recipe = load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml", SHAPES[args.shape])
     load0 = os.getloadavg()[0]
     per_round, cpu, volume = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup, profile=args.profile)
     costs = digest_costs()
     load1 = os.getloadavg()[0]
     m = recipe.model
-    print(f"\nstep time, {args.shape} shape (hidden {m.hidden_size}, seq {m.seq_length}), 2 ranks, {args.rounds} rounds (order shuffled) after {args.warmup} warm-up "
-          f"(slowest rank per round):")
+    print(f"\nstep time, {args.shape} shape (hidden {m.hidden_size}, seq {m.seq_length}), 2 ranks, {args.rounds} "
+          f"rounds (order shuffled) after {args.warmup} warm-up (slowest rank per round):")
     print(f"  {'config':<10} {'p10 ms':>8} {'p50 ms':>8} {'p90 ms':>8} {'paired ratio':>13} {'95% interval':>15}")
     for c in CONFIGS:
         xs = sorted(per_round[c])
