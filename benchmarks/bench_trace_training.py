@@ -40,6 +40,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("untraced", "semantic", "module", "op")
 GOALS = {"module": 1.1, "op": 2.0}
+MIN_ROUNDS = 10  # the goals are paired medians of at least this many rounds: fewer get no verdict
 
 
 _DTYPE_BYTES = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2,
@@ -226,8 +227,11 @@ def ratio_interval(per_round: dict, config: str, resamples: int = 2000) -> tuple
     return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
 
 
-def verdict(ratio: float, interval: tuple[float, float], goal: float) -> str:
-    """"ok" only when the whole interval is within the goal, "MISSED" when none of it is."""
+def verdict(ratio: float, interval: tuple[float, float], goal: float, rounds: int) -> str:
+    """"ok" only when the whole interval is within the goal, "MISSED" when none of it is; none at all
+    below ``MIN_ROUNDS`` (a smoke run's two rounds would otherwise read "ok")."""
+    if rounds < MIN_ROUNDS:
+        return f"no verdict: {rounds} rounds, the goal needs >= {MIN_ROUNDS}"
     lo, hi = interval
     if hi <= goal:
         return "ok"
@@ -242,12 +246,14 @@ def main() -> None:
     from megatron_bitdet.recipe import load_recipe
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rounds", type=int, default=100)
+    ap.add_argument("--rounds", type=int, default=100, help=f"at least 2; a goal's verdict needs >= {MIN_ROUNDS}")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--profile", nargs="?", const="op", choices=("module", "op"), default=None,
                     help="also profile one step traced at this level (default op)")
     ap.add_argument("--shape", choices=tuple(SHAPES), default="default")
     args = ap.parse_args()
+    if args.rounds < 2:
+        ap.error("--rounds must be at least 2 (a spread needs two rounds)")
     recipe = load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml", SHAPES[args.shape])
     load0 = os.getloadavg()[0]
     per_round, cpu, volume = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup, profile=args.profile)
@@ -262,7 +268,7 @@ def main() -> None:
         q = statistics.quantiles(xs, n=10)
         ratio, (lo, hi) = paired_ratio(per_round, c), ratio_interval(per_round, c)
         goal = GOALS.get(c) if args.shape == "default" else None
-        mark = "" if goal is None else f"  (goal <= {goal:.1f}x: {verdict(ratio, (lo, hi), goal)})"
+        mark = "" if goal is None else f"  (goal <= {goal:.1f}x: {verdict(ratio, (lo, hi), goal, args.rounds)})"
         print(f"  {c:<10} {q[0]:8.1f} {statistics.median(xs):8.1f} {q[-1]:8.1f} {ratio:12.2f}x {lo:6.2f}-{hi:.2f}x{mark}")
     print(f"CPU time per step, both ranks' processes together (less sensitive to other load than wall time):")
     for c in CONFIGS:
