@@ -4,8 +4,10 @@ One rank process (started by bitdet's launcher with the run's determinism enviro
 gloo world, the tiny hybrid recipe with ``parallel.expert=1`` (so one rank
 holds every expert), set up exactly as ``bitdet train`` does. Each round runs one training step
 (forward+backward over all micro-batches, optimizer, scheduler) and then the fingerprint work the
-loop does after it (``buffer_digest`` over the DDP param and grad buffers + one JSON line written,
-flushed and fsync'd), timing both: interleaved by construction, medians over the rounds.
+loop does for it (``buffer_digest`` over the DDP grad buffers, then the loop's own ``state_digests``:
+params, the model's buffers, the generators it holds found by walking its modules, the precision
+digests; then one JSON line written, flushed and fsync'd), timing both: interleaved by construction,
+medians over the rounds.
 
     .venv/bin/python benchmarks/bench_fingerprint_overhead.py [--steps 30] [--warmup 3] [KEY=VALUE ...]
 """
@@ -56,14 +58,15 @@ def train_step(state, data, forward_backward) -> None:
 
 
 def fingerprint(state, writer, step: int) -> float:
-    """What the loop adds per step: both buffer digests, then one durable line; returns the time
-    at which the digests were done (so the line's write + fsync is reported apart)."""
+    """What the loop adds per step: the grad buffers' digest, the loop's ``state_digests``, then one
+    durable line; returns the time at which the digests were done (so the line's write + fsync is
+    reported apart)."""
+    from megatron_bitdet.train.loop import state_digests
     from megatron_bitdet.train.step_fingerprints import buffer_digest
 
-    grads = buffer_digest(state.ddp_modules, "grad_data")
-    params = buffer_digest(state.ddp_modules, "param_data")
+    digests = state_digests(state.ddp_modules, buffer_digest(state.ddp_modules, "grad_data"))
     digested = time.perf_counter()
-    writer.write(step, {"loss": 1.0, "lr": 0.001}, {"params": params, "grads": grads})
+    writer.write(step, {"loss": 1.0, "lr": 0.001}, digests)
     return digested
 
 
@@ -93,7 +96,7 @@ def bench_worker(rank: int, world_size: int, *, recipe: dict, steps: int, warmup
     print(f"nemotron_h_tiny (parallel.expert=1), 1 rank, {recipe.determinism.threads} threads, "
           f"{n_params:,} params in DDP buffers; {steps} steps after {warmup} warm-up")
     print(f"step (fwd+bwd+optimizer): median {statistics.median(step_ms):.2f} ms")
-    print(f"fingerprint: median {statistics.median(fp_ms):.3f} ms = 2 buffer digests "
+    print(f"fingerprint: median {statistics.median(fp_ms):.3f} ms = digests "
           f"{statistics.median(digest_ms):.3f} ms + line write/flush/fsync")
     print(f"overhead: median per-step ratio {ratio * 100:.3f}% of a step (target <= 0.3%)")
     return 0

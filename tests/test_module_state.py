@@ -31,6 +31,16 @@ def test_generators_are_found_restored_and_digested():
     assert generators_digest([torch.nn.Linear(2, 2)]) is None
 
 
+def test_generators_in_containers_are_named_by_their_path_two_levels_deep():
+    model = torch.nn.Linear(2, 2)
+    a, b, c, d = (torch.Generator().manual_seed(i) for i in range(4))
+    model.pools = {"a": [a], "b": (b,)}
+    model.deep = [[[c]]]  # three levels: not looked into
+    model.again = [a]     # reachable twice: named by its first path
+    model.flat = d
+    assert list(module_generators([model])) == ["0.<root>:pools['a'][0]", "0.<root>:pools['b'][0]", "0.<root>:flat"]
+
+
 def test_a_generator_the_checkpoint_does_not_carry_is_named():
     model = Holder()
     with pytest.raises(BitdetInputError, match=r"ckpt: module 0.inner holds torch.Generator 'noise', which the "

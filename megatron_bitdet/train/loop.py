@@ -80,14 +80,16 @@ def _moe_aux_losses(recipe, num_microbatches: int) -> dict:
 
 
 def state_digests(model, grads_digest: str) -> dict:
-    """params and grads (DDP buffers), the model's buffers (router expert_bias, ...), and its own
-    generators' states when it holds any."""
+    """Every digest a step's fingerprint line carries beside ``grads_digest``: params (DDP buffers),
+    the model's buffers (router expert_bias, ...), its own generators' states when it holds any, and
+    the precision digests (``precision.step_digests``). One function, so what
+    ``benchmarks/bench_fingerprint_overhead.py`` times is what the loop does."""
     chunks = [m.module for m in model]
     digests = {"params": buffer_digest(model, "param_data"), "grads": grads_digest, "buffers": buffers_digest(chunks)}
     generators = generators_digest(chunks)
     if generators is not None:
         digests["generators"] = generators
-    return digests
+    return {**digests, **step_digests(model)}
 
 
 def _lm_loss(losses_reduced):
@@ -164,7 +166,7 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             aux = _moe_aux_losses(recipe, data.num_microbatches)
             metrics = step_metrics(lm_loss=lm_loss, aux=aux, aux_coeff=moe_coeff, grad_norm=grad_norm, lr=lr)
             aux_total = metrics["aux_loss"]
-            line = writer.write(step, metrics, {**state_digests(model, grads_digest), **step_digests(model)})
+            line = writer.write(step, metrics, state_digests(model, grads_digest))
             console.step(step, stop, elapsed_ms=elapsed * 1000, lr=lr, lm_loss=lm_loss, aux=aux_total,
                          grad_norm=grad_norm, consumed=data.consumed_samples, skipped=0 if ok else 1)
             if save_root and save_interval and step % save_interval == 0:

@@ -11,29 +11,55 @@ from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.fingerprint.tensor import state_digest
 
 
-def _found(value, where: str, depth: int = 0):
-    """(path, generator) for generators held directly or in a list/tuple/dict attribute."""
-    if isinstance(value, torch.Generator):
-        yield where, value
-    elif depth < 2 and isinstance(value, (list, tuple)):
-        for i, item in enumerate(value):
-            yield from _found(item, f"{where}[{i}]", depth + 1)
-    elif depth < 2 and isinstance(value, dict):
-        for key, item in value.items():
-            yield from _found(item, f"{where}[{key!r}]", depth + 1)
+_NEITHER, _GENERATOR, _CONTAINER = 0, 1, 2
+_KINDS: dict[type, int] = {}
+# what nn.Module.__init__ sets: parameters, buffers, submodules (each type-checked when registered),
+# hooks (callables) and flags; a generator a module holds is one of its other attributes
+_MODULE_OWN = frozenset(vars(torch.nn.Module()))
+
+
+def _kind(value) -> int:
+    """Whether a value is a generator, a list/tuple/dict to look into, or neither; cached per type:
+    the walk runs at every step, and ``isinstance`` against ``torch.Generator`` misses through a
+    Python-level metaclass check."""
+    t = type(value)
+    kind = _KINDS.get(t)
+    if kind is None:
+        kind = _KINDS[t] = (_GENERATOR if issubclass(t, torch.Generator)
+                            else _CONTAINER if issubclass(t, (list, tuple, dict)) else _NEITHER)
+    return kind
+
+
+def _held(container, depth: int = 0):
+    """(path suffix, generator) for the generators in a list/tuple/dict attribute, two levels deep;
+    a suffix is only formatted for a generator found."""
+    is_dict = isinstance(container, dict)
+    for key, item in (container.items() if is_dict else enumerate(container)):
+        kind = _kind(item)
+        if kind == _GENERATOR:
+            yield (f"[{key!r}]" if is_dict else f"[{key}]"), item
+        elif kind == _CONTAINER and depth < 1 and item:
+            for suffix, gen in _held(item, depth + 1):
+                yield (f"[{key!r}]" if is_dict else f"[{key}]") + suffix, gen
 
 
 def module_generators(modules) -> dict[str, torch.Generator]:
     """'<chunk>.<module path>:<attribute>' -> generator, for every generator the model chunks hold
-    (a generator reachable twice is named once, by its first path)."""
+    in an attribute, directly or in a list/tuple/dict (a generator reachable twice is named once, by
+    its first path)."""
     out, seen = {}, set()
     for i, chunk in enumerate(modules):
         for name, module in chunk.named_modules():
             for attr, value in vars(module).items():
-                for where, gen in _found(value, f"{i}.{name or '<root>'}:{attr}"):
+                if attr in _MODULE_OWN:
+                    continue
+                kind = _kind(value)
+                if kind == _NEITHER or (kind == _CONTAINER and not value):
+                    continue
+                for suffix, gen in (("", value),) if kind == _GENERATOR else _held(value):
                     if id(gen) not in seen:
                         seen.add(id(gen))
-                        out[where] = gen
+                        out[f"{i}.{name or '<root>'}:{attr}{suffix}"] = gen
     return out
 
 
