@@ -6,8 +6,8 @@ holds every expert), set up exactly as ``bitdet train`` does. Each round runs on
 (forward+backward over all micro-batches, optimizer, scheduler) and then the fingerprint work the
 loop does for it (``buffer_digest`` over the DDP grad buffers, then the loop's own ``state_digests``:
 params, the model's buffers, the generators it holds found by walking its modules, the precision
-digests; then one JSON line written, flushed and fsync'd), timing both: interleaved by construction,
-medians over the rounds.
+digests; then one JSON line written and flushed; the writer fsyncs once, at close), timing both:
+interleaved by construction, medians over the rounds.
 
     .venv/bin/python benchmarks/bench_fingerprint_overhead.py [--steps 30] [--warmup 3] [KEY=VALUE ...]
 """
@@ -59,10 +59,9 @@ def train_step(state, data, forward_backward) -> None:
 
 def fingerprint(state, writer, step: int) -> float:
     """What the loop adds per step: the grad buffers' digest, the loop's ``state_digests``, then one
-    durable line; returns the time at which the digests were done (so the line's write + fsync is
+    flushed line; returns the time at which the digests were done (so the line's write is
     reported apart)."""
-    from megatron_bitdet.train.loop import state_digests
-    from megatron_bitdet.train.step_fingerprints import buffer_digest
+    from megatron_bitdet.train.step_fingerprints import buffer_digest, state_digests
 
     digests = state_digests(state.ddp_modules, buffer_digest(state.ddp_modules, "grad_data"))
     digested = time.perf_counter()
@@ -79,6 +78,7 @@ def bench_worker(rank: int, world_size: int, *, recipe: dict, steps: int, warmup
     state, data = build(recipe, enforcement)
     forward_backward = get_forward_backward_func()
     n_params = sum(b.param_data.numel() for m in state.ddp_modules for b in m.buffers + m.expert_parallel_buffers)
+    n_modules = sum(1 for m in state.ddp_modules for _ in m.module.named_modules())  # what the state walks visit
     step_ms, fp_ms, digest_ms = [], [], []
     writer = StepFingerprintWriter(work_dir, rank)
     for step in range(1, steps + warmup + 1):
@@ -94,10 +94,10 @@ def bench_worker(rank: int, world_size: int, *, recipe: dict, steps: int, warmup
     writer.close()
     ratio = statistics.median(f / s for f, s in zip(fp_ms, step_ms))
     print(f"nemotron_h_tiny (parallel.expert=1), 1 rank, {recipe.determinism.threads} threads, "
-          f"{n_params:,} params in DDP buffers; {steps} steps after {warmup} warm-up")
+          f"{n_params:,} params in DDP buffers, {n_modules} modules; {steps} steps after {warmup} warm-up")
     print(f"step (fwd+bwd+optimizer): median {statistics.median(step_ms):.2f} ms")
     print(f"fingerprint: median {statistics.median(fp_ms):.3f} ms = digests "
-          f"{statistics.median(digest_ms):.3f} ms + line write/flush/fsync")
+          f"{statistics.median(digest_ms):.3f} ms + line write/flush")
     print(f"overhead: median per-step ratio {ratio * 100:.3f}% of a step (target <= 0.3%)")
     return 0
 

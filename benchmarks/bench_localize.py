@@ -48,8 +48,7 @@ def main() -> None:
         print(f"{ranks} ranks x {events} events x 2 runs, {label}: {res.events_compared / dt / 1e6:.2f}M events/s "
               f"({dt:.2f} s); culprit rank {res.culprit['rank']} {res.culprit['classification']}")
     print(f"peak RSS of this process: {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024:.0f} MiB; "
-          f"workers: {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.0f} MiB "
-          f"(flat: independent of events per rank)")
+          f"largest worker: {resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024:.0f} MiB")
 
 
 if __name__ == "__main__":

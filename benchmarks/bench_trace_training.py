@@ -68,11 +68,12 @@ def trace_volume(run_dir: Path, rank: int) -> dict:
 
 
 def digest_costs() -> dict:
-    """Marginal cost of tracing one op on tiny tensors (us) and of digesting one byte (ns), in process."""
+    """Marginal cost of tracing one op on tiny tensors (us) and of digesting one byte (ns) through the
+    tracer's own digests (``Tracer.fps``: the native ones where the native tracer is built), in process;
+    and which op tracer ran."""
     import torch
 
     from megatron_bitdet.trace import Tracer
-    from megatron_bitdet.trace.digest import digest
 
     torch.set_num_threads(2)
     x = torch.ones(4)
@@ -92,11 +93,11 @@ def digest_costs() -> dict:
             with tr.step(1):
                 traced.append(ops())
             t0 = time.perf_counter()
-            digest(big, "fast")
+            tr.fps([big])
             per_byte.append((time.perf_counter() - t0) / big.nbytes)
         tr.close()
     return {"us_per_op": statistics.median(t - p for t, p in zip(traced, plain)) / n * 1e6,
-            "ns_per_byte": statistics.median(per_byte) * 1e9}
+            "ns_per_byte": statistics.median(per_byte) * 1e9, "op_tracer": tr.op_tracer}
 
 
 def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, warmup: int, profile: str | None) -> int:
@@ -105,6 +106,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
     import torch
     from megatron.core import parallel_state as ps
 
+    from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
     from megatron_bitdet.model.builder import load_model_provider
     from megatron_bitdet.train.console import Console
     from megatron_bitdet.train.data import build_train_data
@@ -127,6 +129,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
         tracers[level] = Tracer(tmp / level, rank, world_size, level=level)
         tracers[level].attach([m.module for m in state.ddp_modules])
     console = Console(active=False, total=steps)
+    writer = StepFingerprintWriter(tmp / "run", rank)  # one for the run, as in training (fsync'd once, at close)
     times = {c: [] for c in CONFIGS}
     cpu = {c: [] for c in CONFIGS}
     step = 0
@@ -137,7 +140,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
         torch.distributed.barrier()
         t0, c0 = time.perf_counter(), time.process_time()
         train_steps(state, data, run_dir=tmp / "run", start=step, stop=step + 1, save_root=None, save_interval=0,
-                    manifest={}, console=console, tracer=tracers[config])
+                    manifest={}, console=console, tracer=tracers[config], writer=writer)
         step += 1
         return time.perf_counter() - t0, time.process_time() - c0
 
@@ -161,6 +164,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
             buf = io.StringIO()
             pstats.Stats(prof, stream=buf).sort_stats("tottime").print_stats(25)
             print(buf.getvalue(), flush=True)
+    writer.close()
     for tr in tracers.values():
         if tr is not None:
             tr.close()
@@ -277,7 +281,7 @@ def main() -> None:
     extra = statistics.median(o - b for o, b in zip(per_round["op"], per_round["untraced"]))
     print(f"op trace, rank 0: {ops:.0f} records and {mib:.1f} MiB of tensors digested per step; "
           f"paired extra {extra:.1f} ms = {extra * 1000 / ops:.1f} us per record")
-    print(f"in process: {costs['us_per_op']:.1f} us per traced op on tiny tensors, "
+    print(f"in process ({costs['op_tracer']} op tracer): {costs['us_per_op']:.1f} us per traced op on tiny tensors, "
           f"{costs['ns_per_byte']:.3f} ns per digested byte ({1 / costs['ns_per_byte']:.1f} GB/s)")
     print(f"1-minute load average: {load0:.2f} at the start, {load1:.2f} at the end")
 

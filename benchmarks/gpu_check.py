@@ -1,7 +1,7 @@
 """GPU check: one table of what only an accelerator can show, in one run (<= 8 minutes on one H200).
 
     python benchmarks/gpu_check.py             # on the GPU machine (megatron-core must be installed)
-    python benchmarks/gpu_check.py --dry-run   # anywhere: CPU, tiny shapes, 2 repeats, no launches
+    python benchmarks/gpu_check.py --dry-run   # anywhere: CPU, tiny shapes, 2 repeats, 2-round launches
 
 Rows: the nondeterministic baselines run N times (atomic Triton grouped-dprob kernel; Transformer
 Engine's fused aux loss and grouped GEMM, mamba_ssm's scan/norm/conv backward where importable) with
@@ -225,27 +225,22 @@ def kernel_rows(env: Env) -> tuple[list, bool]:
 
 
 def training_rows(env: Env) -> list:
-    """The default recipe at EP1 on one rank: its tax and op-tracing overhead (launches training)."""
-    from megatron_bitdet.recipe import load_recipe
-
-    recipe = load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml", ["parallel.expert=1"])
-    if env.dry:
-        from benchmarks.bench_trace_training import measure  # noqa: F401  (importable: the real run uses it)
-        from megatron_bitdet.workflows.tax import measure_tax  # noqa: F401
-
-        return [("default recipe (EP1)", "tax", "dry run: not launched", "", ""),
-                ("default recipe (EP1)", "op tracing", "dry run: not launched", "", "")]
+    """The default recipe at EP1 on one rank: its tax and its module/op tracing overhead (launches
+    training; the dry run launches the same code for 2 rounds, so a break shows on CPU too)."""
     from benchmarks.bench_trace_training import measure, paired_ratio
+    from megatron_bitdet.recipe import load_recipe
     from megatron_bitdet.workflows.tax import measure_tax
 
+    recipe = load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml", ["parallel.expert=1"])
+    tax_rounds, trace_rounds, warmup = (2, 2, 1) if env.dry else (12, 10, 3)
     rows = []
-    tax = measure_tax(recipe, nproc=1, rounds=12, warmup=3)
+    tax = measure_tax(recipe, nproc=1, rounds=tax_rounds, warmup=warmup)
     rows.append(("default recipe (EP1)", "tax", f"{tax.paired_tax_percent:+.1f}% paired ({tax.baseline.name})",
                  f"{tax.deterministic.median_ms:.2f}", f"{tax.deterministic.median_ms / tax.baseline.median_ms:.2f}x"))
-    per_round, _ = measure(recipe, nproc=1, rounds=10, warmup=2)
+    per_round, _cpu, _volume = measure(recipe, nproc=1, rounds=trace_rounds, warmup=warmup)
     base = statistics.median(per_round["untraced"])
     for level in ("module", "op"):
-        rows.append(("default recipe (EP1)", f"{level} tracing", "paired median of 10 rounds",
+        rows.append(("default recipe (EP1)", f"{level} tracing", f"paired median of {trace_rounds} rounds",
                      f"{statistics.median(per_round[level]):.2f}", f"{paired_ratio(per_round, level):.2f}x"))
     rows.append(("default recipe (EP1)", "untraced step", "", f"{base:.2f}", "1.00x"))
     return rows
@@ -253,7 +248,7 @@ def training_rows(env: Env) -> list:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, 2 repeats, no training launches")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, 2 repeats, 2-round training launches")
     ap.add_argument("--repeats", type=int, default=20)
     args = ap.parse_args()
     if args.dry_run:  # as bitdet's ranks on CPU: megatron's jit_fuser functions eagerly (no Inductor C++ build)

@@ -107,7 +107,8 @@ def test_mamba_fingerprints_and_manifest_describe_what_megatron_built(mamba_runs
         assert {"loss", "lm_loss", "aux_loss", "grad_norm", "lr"} <= set(step["metrics"])
         # the only MoE layer is the 4th: its load-balancing loss, per layer, on every rank
         assert "aux_loss/load_balancing_loss/layer_04" in step["metrics"]
-        assert set(step["digests"]) == {"params", "grads"}
+        # the digests bitdet train's lines carry: the module buffers too (fp32 here: no precision digests)
+        assert set(step["digests"]) == {"params", "grads", "buffers"}
     manifest = json.loads((runs["a"] / "manifest.json").read_text())
     model, parallel = manifest["recipe"]["model"], manifest["recipe"]["parallel"]
     assert model["hybrid_pattern"] == "M*-E" and model["hidden_dropout"] == 0.1 and model["spec"] == "local"
@@ -380,7 +381,7 @@ def test_prove_on_a_megatron_lm_launch_line_holds_prints_the_verdicts_and_writes
     rows = verdict_rows((tmp_path / "report.html").read_text())
     assert [(state, guarantee.split(" (")[0]) for state, guarantee, _ in rows] == [
         ("holds", "independent reproducibility"), ("holds", "bitwise checkpoint resume")]
-    assert rows[0][2].startswith("3 steps × 2 ranks × 6 metrics + 2 digests: bit-identical")
+    assert rows[0][2].startswith("3 steps × 2 ranks × 6 metrics + 3 digests: bit-identical")
     for rank in (0, 1):
         a = (tmp_path / "run_a" / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
         assert a == (tmp_path / "run_b" / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()

@@ -268,7 +268,7 @@ def on_step_end(session, step: int, result, model) -> None:
     from megatron.training import get_args
 
     from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
-    from megatron_bitdet.train.step_fingerprints import buffer_digest, moe_aux_losses, step_metrics
+    from megatron_bitdet.train.step_fingerprints import moe_aux_losses, state_digests, step_metrics
 
     loss_dict, _skipped, _ckpt, should_exit, _code, grad_norm, num_zeros = result[:7]
     if should_exit and not loss_dict:
@@ -282,7 +282,7 @@ def on_step_end(session, step: int, result, model) -> None:
     coeff = coeff[0] if isinstance(coeff, (list, tuple)) else (coeff or 0.0)
     metrics = step_metrics(lm_loss=None if lm is None else lm.detach().to(torch.float32), aux=aux, aux_coeff=coeff,
                            grad_norm=grad_norm, lr=session.lr, num_zeros=num_zeros)
-    session.writer.write(step, metrics, {"params": buffer_digest(model, "param_data"), "grads": session.grads_digest})
+    session.writer.write(step, metrics, state_digests(model, session.grads_digest))
 
 
 _ORIGINALS: dict = {}

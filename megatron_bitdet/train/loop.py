@@ -14,9 +14,8 @@ import torch
 
 from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 from megatron_bitdet.train.console import Console
-from megatron_bitdet.train.module_state import buffers_digest, capture_module_rng, generators_digest
-from megatron_bitdet.train.precision import step_digests
-from megatron_bitdet.train.step_fingerprints import buffer_digest, moe_aux_losses, step_metrics
+from megatron_bitdet.train.module_state import capture_module_rng
+from megatron_bitdet.train.step_fingerprints import buffer_digest, moe_aux_losses, state_digests, step_metrics
 from megatron_bitdet.train.tracing import traced_optimizer_step, traced_step, untraced
 
 
@@ -79,19 +78,6 @@ def _moe_aux_losses(recipe, num_microbatches: int) -> dict:
     return moe_aux_losses(num_microbatches, names=[name] if name else [])
 
 
-def state_digests(model, grads_digest: str) -> dict:
-    """Every digest a step's fingerprint line carries beside ``grads_digest``: params (DDP buffers),
-    the model's buffers (router expert_bias, ...), its own generators' states when it holds any, and
-    the precision digests (``precision.step_digests``). One function, so what
-    ``benchmarks/bench_fingerprint_overhead.py`` times is what the loop does."""
-    chunks = [m.module for m in model]
-    digests = {"params": buffer_digest(model, "param_data"), "grads": grads_digest, "buffers": buffers_digest(chunks)}
-    generators = generators_digest(chunks)
-    if generators is not None:
-        digests["generators"] = generators
-    return {**digests, **step_digests(model)}
-
-
 def _lm_loss(losses_reduced):
     """DP-averaged LM loss, as Megatron reports it (None off the last pipeline stage)."""
     from megatron.core import parallel_state as ps
@@ -139,7 +125,10 @@ def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, dig
 
 
 def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root, save_interval: int,
-                manifest: dict, console: Console, snapshot_at=frozenset(), tracer=None, hooks=()) -> None:
+                manifest: dict, console: Console, snapshot_at=frozenset(), tracer=None, hooks=(),
+                writer: StepFingerprintWriter | None = None) -> None:
+    """Steps ``start + 1`` to ``stop``, each fingerprinted into ``writer`` (default: this rank's
+    writer in ``run_dir``, opened here and closed, fsync'd, at the end)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_bitdet.train import checkpoint
@@ -148,7 +137,9 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
     recipe, rank = state.recipe, torch.distributed.get_rank()
     moe_coeff = recipe.model.moe.aux_loss_coeff
     forward_backward = get_forward_backward_func()
-    writer = StepFingerprintWriter(run_dir, rank)
+    own_writer = writer is None
+    if own_writer:
+        writer = StepFingerprintWriter(run_dir, rank)
     model = state.ddp_modules
     chunks = [m.module for m in model]
     try:
@@ -183,4 +174,5 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
                 break
     finally:
         _CURRENT["step"] = 0
-        writer.close()
+        if own_writer:
+            writer.close()

@@ -52,3 +52,19 @@ def buffer_digest(ddp_modules, attr: str) -> str:
     return state_digest(item for i, b in enumerate(buffers)
                         for item in ([(f"buf{i}", getattr(b, attr))] if getattr(b, attr) is not None
                                      else [(f"buf{i}.{j}", p.detach()) for j, p in enumerate(b.params)]))
+
+
+def state_digests(model, grads_digest: str) -> dict:
+    """Every digest a step's fingerprint line carries beside ``grads_digest``: params (DDP buffers),
+    the model's buffers (router expert_bias, ...), its own generators' states when it holds any, and
+    the precision digests (``precision.step_digests``). One function for both loops (bitdet's and
+    Megatron-LM's), and what ``benchmarks/bench_fingerprint_overhead.py`` times."""
+    from megatron_bitdet.train.module_state import buffers_digest, generators_digest
+    from megatron_bitdet.train.precision import step_digests
+
+    chunks = [m.module for m in model]
+    digests = {"params": buffer_digest(model, "param_data"), "grads": grads_digest, "buffers": buffers_digest(chunks)}
+    generators = generators_digest(chunks)
+    if generators is not None:
+        digests["generators"] = generators
+    return {**digests, **step_digests(model)}
