@@ -50,7 +50,7 @@ AUX_BLOCK = DEFAULT_AUX_CONFIG.block_rows
 MLP_SIZES = [MLPSize("tiny", 64, 32, 64, 4), MLPSize("modest", 4096, 256, 512, 8)]
 
 
-def paired_medians(fns):
+def interleaved_medians(fns):
     """Median seconds per fn, all fns timed once per round (interleaved), warm-up excluded."""
     times = [[] for _ in fns]
     for r in range(WARMUP + ROUNDS):
@@ -90,17 +90,17 @@ def main():
     for tokens, experts in AUX_SIZES:
         probs = torch.softmax(torch.randn(tokens, experts, generator=g), -1)
         counts = torch.randint(0, tokens, (experts,), generator=g)
-        base, ours = paired_medians(
+        base, ours = interleaved_medians(
             [aux_case(f, probs, counts, tokens, experts) for f in (moe_utils.switch_load_balancing_loss_func, switch_load_balancing_loss_func)]
         )
         print(f"{f'aux loss T={tokens} E={experts}':38s} {base * 1e3:12.3f} {ours * 1e3:9.3f} {ours / base:10.2f}")
         fwd = [lambda f=f: f(probs, counts, tokens, 6, experts, 1e-2)
                for f in (moe_utils.switch_load_balancing_loss_func, switch_load_balancing_loss_func)]
-        fb, fo = paired_medians(fwd)
+        fb, fo = interleaved_medians(fwd)
         print(f"{'  forward only':38s} {fb * 1e3:12.3f} {fo * 1e3:9.3f} {fo / fb:10.2f}")
         levels = sum(math.ceil(math.log2(n)) for n in (AUX_BLOCK, math.ceil(tokens / AUX_BLOCK), experts) if n > 1)
         view = torch.empty(2, 1)
-        (add,) = paired_medians([lambda: view[0].add_(view[1])])
+        (add,) = interleaved_medians([lambda: view[0].add_(view[1])])
         print(f"{'  (tree: %d dependent levels; one eager add on a tiny view costs %.1f us)' % (levels, add * 1e6):38s}")
     for s in MLP_SIZES:
         config = TransformerConfig(
@@ -115,7 +115,7 @@ def main():
         cuts = torch.sort(torch.randint(0, s.tokens + 1, (s.experts - 1,), generator=g)).values
         counts = torch.diff(torch.cat([torch.tensor([0]), cuts, torch.tensor([s.tokens])]))
         x, probs = torch.randn(s.tokens, s.hidden, generator=g), torch.rand(s.tokens, generator=g)
-        base, ours = paired_medians([mlp_case(m, x, counts, probs) for m in (ref, ours_mod)])
+        base, ours = interleaved_medians([mlp_case(m, x, counts, probs) for m in (ref, ours_mod)])
         label = f"experts {s.name} T={s.tokens} H={s.hidden} F={s.ffn} E={s.experts}"
         print(f"{label:38s} {base * 1e3:12.3f} {ours * 1e3:9.3f} {ours / base:10.2f}")
     parallel_state.destroy_model_parallel()
