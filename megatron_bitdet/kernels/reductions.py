@@ -9,8 +9,8 @@ then depend on the logical layout only. Exact reductions (MAX/MIN, integer dtype
 
 Where bytes differ from the ring: a buffer whose numel is not a multiple of N is zero-padded to the
 next multiple (at most N-1 elements), and the all-gather half is an all-to-all of the repeated shard
-(same bytes on the wire, one extra shard-sized copy in memory) because c10d's all_gather_into_tensor
-defers into megatron's coalescing manager while all_to_all_single runs at once.
+(same bytes on the wire, one extra buffer-sized copy in memory: the shard N times) because c10d's
+all_gather_into_tensor defers into megatron's coalescing manager while all_to_all_single runs at once.
 
 The transport is pluggable so the invariance can be tested honestly on one machine: ``RingTransport``
 moves the same bytes with point-to-point sends along a ring whose order is chosen per run
