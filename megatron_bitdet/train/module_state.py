@@ -36,11 +36,11 @@ def _held(container, depth: int = 0):
     is_dict = isinstance(container, dict)
     for key, item in (container.items() if is_dict else enumerate(container)):
         kind = _kind(item)
-        if kind == _GENERATOR:
-            yield (f"[{key!r}]" if is_dict else f"[{key}]"), item
-        elif kind == _CONTAINER and depth < 1 and item:
-            for suffix, gen in _held(item, depth + 1):
-                yield (f"[{key!r}]" if is_dict else f"[{key}]") + suffix, gen
+        if kind == _NEITHER or (kind == _CONTAINER and (depth >= 1 or not item)):
+            continue
+        label = f"[{key!r}]" if is_dict else f"[{key}]"
+        for suffix, gen in (("", item),) if kind == _GENERATOR else _held(item, depth + 1):
+            yield label + suffix, gen
 
 
 def module_generators(modules) -> dict[str, torch.Generator]:

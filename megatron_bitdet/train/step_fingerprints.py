@@ -67,4 +67,5 @@ def state_digests(model, grads_digest: str) -> dict:
     generators = generators_digest(chunks)
     if generators is not None:
         digests["generators"] = generators
-    return {**digests, **step_digests(model)}
+    digests.update(step_digests(model))
+    return digests
