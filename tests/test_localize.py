@@ -167,6 +167,33 @@ def test_bad_traces_exit_2_naming_the_file(tmp_path):
     assert proc.returncode == 2 and "rank_00000.trace.jsonl" in proc.stderr
 
 
+def test_one_extra_event_on_either_side_is_a_control_divergence(tmp_path):
+    """Run B's trace = run A's minus its last record (or two): more events in A, in either order."""
+    run_planted(tmp_path / "a", 1)
+    full = trace_path(tmp_path / "a", 0).read_bytes().splitlines(keepends=True)
+    for drop in (1, 2):
+        run_planted(tmp_path / "b", 1)
+        trace_path(tmp_path / "b", 0).write_bytes(b"".join(full[:-drop]))
+        compared = len(full) - 1 - drop  # records both traces hold (the header is not one)
+        for first, second, longer in (("a", "b", "a"), ("b", "a", "a")):
+            res = localize_traces(tmp_path / first, tmp_path / second)
+            f = res.per_rank[0]
+            assert res.mismatch and f.classification == "control_divergence", (drop, first, f)
+            assert f.detail == f"{trace_path(tmp_path / longer, 0)} has more events after event {compared}"
+
+
+def test_traces_without_events_are_not_a_match(tmp_path):
+    """A traced window no step reached: header-only traces on both sides compare nothing (exit 2)."""
+    for run in ("a", "b"):
+        with Tracer(tmp_path / run, 0, 1, level="op", steps=(5, 6)) as tr:
+            with tr.step(1):
+                torch.ones(3).sum()
+    proc = bitdet(tmp_path / "a", tmp_path / "b", "--json")
+    out = json.loads(proc.stdout)
+    assert proc.returncode == 2 and not out["mismatch"] and out["events_compared"] == 0
+    assert "neither trace holds an event" in out["incomplete"][0] and "not a match" in proc.stderr
+
+
 def test_traces_of_different_op_tracers_are_refused(tmp_path, monkeypatch):
     """A Python dispatch mode makes torch take other paths (functional index_add / scatter_add, view for
     reshape, cloned gradients) than the native tracer sees: aligning their records would report

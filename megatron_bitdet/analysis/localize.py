@@ -235,7 +235,11 @@ def compare_rank(job: tuple) -> RankFinding:
     taint_a: set = set()
     taint_b: set = set()
     it_a, it_b = ta.lines(off_a, skipped + 1), tb.lines(off_b, skipped + 1)
-    for (la, ra), (lb, rb) in zip(it_a, it_b):
+    while True:  # not zip(): it would take (and drop) A's next line before finding B at its end
+        rest_a, rest_b = next(it_a, None), next(it_b, None)
+        if rest_a is None or rest_b is None:
+            break
+        (la, ra), (lb, rb) = rest_a, rest_b
         f.events += 1
         if ra == rb:
             hist_a.append((ta.path, la, ra))
@@ -261,7 +265,6 @@ def compare_rank(job: tuple) -> RankFinding:
             _classify(f, a, b, deque([*prefix, *hist_a], maxlen=history),
                       deque([*((tb.path, n, r) for _, n, r in prefix), *hist_b], maxlen=history))
         return f
-    rest_a, rest_b = next(it_a, None), next(it_b, None)
     for t in (ta, tb):
         if getattr(t, "truncated", False):
             f.warnings.append(f"{t.path}: truncated final record ignored")
@@ -271,6 +274,8 @@ def compare_rank(job: tuple) -> RankFinding:
         longer = ta if rest_a else tb
         f.classification = CONTROL
         f.detail = f"{longer.path} has more events after event {f.events}"
+    elif not f.events and not f.incomplete:
+        f.incomplete = "neither trace holds an event (no traced step ran): nothing was compared"
     return f
 
 
