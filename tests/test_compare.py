@@ -148,7 +148,7 @@ def test_truncated_final_line(tmp_path, capsys):
     assert f"{f}:5" in p.stderr and "truncated" in p.stderr
     allowed = bitdet_inproc(capsys, a, b, "--allow-truncated")
     assert allowed.returncode == 1, allowed.stderr  # the steps before it match, but step 5 was not compared
-    assert "INCOMPLETE:" in allowed.stdout and "lengths differ: steps only in A: 5" in allowed.stdout
+    assert "INCOMPLETE:" in allowed.stdout and "steps missing: only in A: 5" in allowed.stdout
 
 
 def test_foreign_file_and_missing_run(tmp_path, capsys):
@@ -179,6 +179,44 @@ def test_rank_file_missing_in_one_run(tmp_path):
     with pytest.raises(BitdetInputError, match=r"rank 1 is missing \(fingerprints/rank_00001.jsonl\)"):
         compare_runs(a, b)
     assert compare_runs(a, b, ranks=[0]).verdict == "match"
+
+
+def test_rank_missing_from_both_runs_is_refused(tmp_path, capsys):
+    """Both manifests say world_size 2 and both runs lack rank 1: it was compared in neither."""
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b")
+    for run in (a, b):
+        (run / "fingerprints" / "rank_00001.jsonl").unlink()
+    with pytest.raises(BitdetInputError, match=r"world_size is 2 .*rank\(s\) \[1\] .*rank_00001.jsonl"):
+        compare_runs(a, b)
+    p = bitdet_inproc(capsys, a, b)
+    assert p.returncode == 2 and "MATCH" not in p.stdout and "rank_00001.jsonl" in p.stderr
+    assert compare_runs(a, b, ranks=[0]).verdict == "match"  # asked for rank 0 only: compared in full
+
+
+@pytest.mark.parametrize("gap", ["deleted", "emptied"])
+def test_step_missing_from_both_runs_is_incomplete(tmp_path, capsys, gap):
+    """Step 3's line deleted in both runs, or left holding no value in both: nothing was compared there."""
+    def edit(step, rank, line):
+        if step == 3:
+            line["metrics"], line["digests"] = {}, {}
+
+    a, b = (write_run(tmp_path / k, edit=edit if gap == "emptied" else None) for k in "ab")
+    if gap == "deleted":
+        for f in [*(a / "fingerprints").iterdir(), *(b / "fingerprints").iterdir()]:
+            f.write_text("".join(x for x in f.read_text().splitlines(True) if '"step": 3,' not in x))
+    r = compare_runs(a, b)
+    assert (r.verdict, r.steps_compared, r.steps_in_neither) == ("incomplete", 4, [3])
+    p = bitdet_inproc(capsys, a, b)
+    assert p.returncode == 1 and "INCOMPLETE" in p.stdout and "in neither: 3" in p.stdout
+    assert compare_runs(a, b, steps=[1, 2, 4, 5]).verdict == "match"
+
+
+def test_forced_verdict_names_the_scope_keys_that_differ(tmp_path, capsys):
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b", scope={**SCOPE, "torch_threads": 99})
+    p = bitdet_inproc(capsys, a, b, "--force")
+    assert p.returncode == 0 and p.stdout.startswith("MATCH")
+    assert "FORCED: the validation scopes differ (torch_threads)" in p.stdout
+    assert "FORCED" not in bitdet_inproc(capsys, a, write_run(tmp_path / "c"), "--force").stdout
 
 
 def test_shorter_run_is_incomplete_not_a_match(tmp_path, capsys):
@@ -260,7 +298,7 @@ def test_tensorboard_missing_last_steps_or_cut_record_is_not_a_match(tmp_path, c
     a = write_tensorboard(tmp_path / "a", steps=6)
     short = write_tensorboard(tmp_path / "short", steps=4)  # a run killed after step 4
     p = bitdet_inproc(capsys, a, short)
-    assert p.returncode == 1 and "INCOMPLETE" in p.stdout and "steps only in A: 5-6" in p.stdout
+    assert p.returncode == 1 and "INCOMPLETE" in p.stdout and "only in A: 5-6" in p.stdout
     cut = write_tensorboard(tmp_path / "cut", steps=6)
     (event_file,) = cut.glob("events.out.tfevents.*")
     event_file.write_bytes(event_file.read_bytes()[:-7])  # killed in the middle of the last record

@@ -4,7 +4,7 @@ from __future__ import annotations
 import re
 from html.parser import HTMLParser
 
-from test_compare import write_run  # the fingerprint-file writer shared with the compare tests
+from test_compare import SCOPE, write_run  # the fingerprint-file writer shared with the compare tests
 
 from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.analysis.report import RunSpec, Verdict, render_report
@@ -68,7 +68,8 @@ def test_report_with_a_broken_guarantee(tmp_path):
 
 
 def test_report_all_holding_without_tax(tmp_path):
-    a, b = write_run(tmp_path / "a", ranks=1), write_run(tmp_path / "b", ranks=1)
+    one = {**SCOPE, "world_size": 1}
+    a, b = write_run(tmp_path / "a", ranks=1, scope=one), write_run(tmp_path / "b", ranks=1, scope=one)
     out = render_report(tmp_path / "report.html", title="t", verdicts=[Verdict("reproducible", True, "ok")],
                         runs=[RunSpec("A", str(a)), RunSpec("B", str(b))],
                         compare_results={"A vs B": compare_runs(a, b)},
@@ -76,3 +77,15 @@ def test_report_all_holding_without_tax(tmp_path):
     text, counts = _parse(out)
     assert counts["img"] == 2 and "every guarantee holds" in text and "BROKEN" not in text
     assert "<pre>x &lt; y</pre>" in text
+
+
+def test_report_says_incomplete_where_compare_does(tmp_path):
+    """Run B stopped after step 4 of 6: the comparison is incomplete, and the report must not say match."""
+    a, b = write_run(tmp_path / "a", steps=6), write_run(tmp_path / "b", steps=4)
+    result = compare_runs(a, b)
+    assert result.verdict == "incomplete"
+    out = render_report(tmp_path / "report.html", title="t", verdicts=[Verdict("reproducible", False, "short")],
+                        runs=[RunSpec("A", str(a)), RunSpec("B", str(b))], compare_results={"A vs B": result})
+    text, _ = _parse(out)
+    assert "<b>incomplete</b>: 4 steps" in text and "only in A: 5-6; only in B: none" in text
+    assert "<b>match</b>" not in text and "bit for bit." not in text

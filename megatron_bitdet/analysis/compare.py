@@ -79,7 +79,7 @@ class CompareResult:
     digests_compared: list[str] = field(default_factory=list)
     steps_only_in_a: list[int] = field(default_factory=list)
     steps_only_in_b: list[int] = field(default_factory=list)
-    steps_in_neither: list[int] = field(default_factory=list)  # asked for (``steps``) but in neither run
+    steps_in_neither: list[int] = field(default_factory=list)  # asked for (``steps``) or a gap, in neither run
     truncated: list[str] = field(default_factory=list)  # files read only up to a cut (--allow-truncated)
     diverged_steps: list[int] = field(default_factory=list)
     forced: bool = False
@@ -94,6 +94,12 @@ class CompareResult:
     def lengths_differ(self) -> bool:
         return bool(self.steps_only_in_a or self.steps_only_in_b or self.steps_in_neither)
 
+    def missing_steps(self) -> str:
+        """'only in A: 5-6; only in B: none[; in neither: 3]' (what made the lengths differ)."""
+        return (f"only in A: {step_ranges(self.steps_only_in_a) or 'none'}; "
+                f"only in B: {step_ranges(self.steps_only_in_b) or 'none'}"
+                + (f"; in neither: {step_ranges(self.steps_in_neither)}" if self.steps_in_neither else ""))
+
     def to_json(self) -> dict:
         return asdict(self)
 
@@ -107,8 +113,9 @@ class CompareResult:
 def compare_runs(run_a, run_b, *, force: bool = False, metrics=None, ranks=None,
                  fmt: str = "auto", allow_truncated: bool = False, steps=None) -> CompareResult:
     """Compare two runs (run dirs or TensorBoard dirs); BitdetInputError if they can't be compared.
-    ``steps``: compare only these steps (each must be in both runs); default: every step of either run.
-    A match needs every such step in both runs; otherwise the verdict is "incomplete"."""
+    ``steps``: compare only these steps (each must be in both runs); default: every step of either run,
+    and (bitdet format: a line per step) every step between a rank's first and last. A match needs
+    every such step in both runs; otherwise the verdict is "incomplete"."""
     a = load_run(run_a, fmt, allow_truncated=allow_truncated)
     b = load_run(run_b, fmt, allow_truncated=allow_truncated)
     if a.format != b.format:
@@ -145,6 +152,8 @@ def _check_scope(a: RunData, b: RunData, force: bool, warnings: list[str]) -> li
 
 
 def _select_ranks(a: RunData, b: RunData, wanted) -> list[int]:
+    """The ranks asked for, else every rank of the manifests' world: a rank missing from both runs
+    was compared in neither, so it is refused rather than left out of the verdict."""
     ranks = sorted(set(wanted)) if wanted is not None else sorted(set(a.ranks) | set(b.ranks))
     for rank in ranks:
         for run, other in ((a, b), (b, a)):
@@ -154,6 +163,15 @@ def _select_ranks(a: RunData, b: RunData, wanted) -> list[int]:
                     f"{run.path}: fingerprint file for rank {rank} is missing "
                     f"(fingerprints/rank_{rank:05d}.jsonl){have}"
                 )
+    if wanted is None:
+        for run in (a, b):
+            world = ((run.manifest or {}).get("scope") or {}).get("world_size")
+            missing = [r for r in range(world) if r not in run.ranks] if type(world) is int else []
+            if missing:
+                raise BitdetInputError(
+                    f"{run.path}: the manifest's world_size is {world} but no fingerprint file holds rank(s) "
+                    f"{missing} (fingerprints/rank_{missing[0]:05d}.jsonl is missing); pass --ranks to "
+                    "compare only some ranks")
     return ranks
 
 
@@ -177,6 +195,9 @@ def _compare_steps(a: RunData, b: RunData, names: list[str], result: CompareResu
         if wanted is not None:
             missing |= wanted - (recs_a.keys() | recs_b.keys())
             recs_a, recs_b = ({s: r for s, r in recs.items() if s in wanted} for recs in (recs_a, recs_b))
+        elif a.format == "bitdet":  # a line per step: a gap (or a step holding no compared value) in both runs
+            held = [r.step for run in (a, b) for r in run.ranks[rank]]
+            missing |= set(range(min(held), max(held) + 1)) - (recs_a.keys() | recs_b.keys())
         only_a |= recs_a.keys() - recs_b.keys()
         only_b |= recs_b.keys() - recs_a.keys()
         for step in sorted(recs_a.keys() & recs_b.keys()):
@@ -252,3 +273,14 @@ def _run_steps(run: RunData, ranks: list[int]) -> str:
 
 def _span(steps: list[int]) -> str:
     return "none" if not steps else f"{steps[0]}" if len(steps) == 1 else f"{steps[0]}-{steps[-1]}"
+
+
+def step_ranges(steps: list[int]) -> str:
+    """[1,2,3,7] -> '1-3, 7'."""
+    out, start = [], None
+    for i, s in enumerate(steps):
+        start = s if start is None else start
+        if i + 1 == len(steps) or steps[i + 1] != s + 1:
+            out.append(str(s) if s == start else f"{start}-{s}")
+            start = None
+    return ", ".join(out)

@@ -162,8 +162,10 @@ def _distance_figure(label: str, result: CompareResult) -> Figure:
     ax.axhline(0, color="green", lw=2)
     ax.set_ylim(-0.3, top * 4)
     if not result.diverged_steps:
-        ax.text(0.5, 0.5, f"0 ULP at every step: bitwise equal ({result.steps_compared} steps)",
-                transform=ax.transAxes, ha="center", color="green", fontsize=12)
+        equal, color = ((f"0 ULP at every step: bitwise equal ({result.steps_compared} steps)", "green")
+                        if result.verdict == "match" else
+                        (f"0 ULP at the {result.steps_compared} common steps, but incomplete: not a match", "red"))
+        ax.text(0.5, 0.5, equal, transform=ax.transAxes, ha="center", color=color, fontsize=12)
     ax.set(title=f"{label}: max ULP distance across ranks", xlabel="step", ylabel="ULP (symlog, 0 = equal)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return fig
@@ -172,8 +174,13 @@ def _distance_figure(label: str, result: CompareResult) -> Figure:
 def _compare_summary(r: CompareResult) -> str:
     what = (f"{r.steps_compared} steps × {len(r.ranks_compared)} ranks × {len(r.metrics_compared)} metrics "
             f"+ {len(r.digests_compared)} digests")
-    if r.first_divergence is None:
+    if r.verdict == "match":
         return f"<p><b>match</b>: {what}, bit for bit.</p>"
+    if r.verdict == "incomplete":
+        why = f"steps missing: {r.missing_steps()}" if r.lengths_differ else f"cut short: {', '.join(r.truncated)}"
+        return f"<p><b>incomplete</b>: {what} bit for bit equal, but {_e(why)}: not a match.</p>"
+    if r.first_divergence is None:
+        return f"<p><b>{_e(r.verdict)}</b>: {_e(r.error or 'nothing was compared')}</p>"
     d = r.first_divergence
     rows = "".join(
         f"<tr><td>{_e(x.name)}</td><td>{x.rank}</td><td><code>{_e(x.a_value if x.ulp is not None else x.a)}</code>"

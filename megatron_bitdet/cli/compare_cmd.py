@@ -13,7 +13,8 @@ def register(subparsers, summary: str) -> None:
     p = subparsers.add_parser(
         "compare", help=summary, description=summary + ".",
         epilog="Exit 0: every step of both runs (or of --steps) compared, bit for bit equal; 1: diverged, "
-               "or incomplete (a step is in one run only: the runs were not compared in full); 2: unusable "
+               "or incomplete (a step is in one run only, or missing from both inside the steps run: the runs "
+               "were not compared in full); 2: unusable "
                "input, including no step in common. A truncated final line (a crash mid-write) is unusable "
                "unless --allow-truncated, which compares the steps before it (then incomplete at best).",
     )
@@ -58,7 +59,7 @@ def format_result(result: CompareResult, max_details: int = 20) -> str:
     lines = []
     div = result.first_divergence
     if div is None and result.verdict == "incomplete":
-        why = "the runs differ in length" if result.lengths_differ else f"{', '.join(result.truncated)} cut short"
+        why = "steps are missing" if result.lengths_differ else f"{', '.join(result.truncated)} cut short"
         lines.append(f"INCOMPLETE: {what} bit for bit equal, but {why}: not a match")
     elif div is None:
         lines.append(f"MATCH: {what}, bit for bit")
@@ -76,10 +77,10 @@ def format_result(result: CompareResult, max_details: int = 20) -> str:
         lines.append(f"  after step {div.step}: {len(later)} of {after} later steps differ"
                      + (f" (last: step {later[-1]})" if later else "") + _max_ulps(result))
     if result.lengths_differ:
-        lines.append(f"lengths differ: steps only in A: {_ranges(result.steps_only_in_a) or 'none'}; "
-                     f"only in B: {_ranges(result.steps_only_in_b) or 'none'}"
-                     + (f"; in neither: {_ranges(result.steps_in_neither)}" if result.steps_in_neither else "")
-                     + " (compared the common steps)")
+        lines.append(f"steps missing: {result.missing_steps()} (compared the common steps)")
+    if result.scope_mismatches:  # the verdict holds only across the scopes compared: say which differ
+        keys = ", ".join(str(m["key"]) for m in result.scope_mismatches)
+        lines.append(f"FORCED: the validation scopes differ ({keys}); compared anyway (--force)")
     return "\n".join(lines)
 
 
@@ -98,14 +99,3 @@ def _max_ulps(result: CompareResult) -> str:
             if ulp:
                 worst[name] = max(ulp, worst.get(name, 0))
     return ("; max ulp: " + ", ".join(f"{k} {v}" for k, v in sorted(worst.items()))) if worst else ""
-
-
-def _ranges(steps: list[int]) -> str:
-    """[1,2,3,7] -> '1-3, 7'."""
-    out, start = [], None
-    for i, s in enumerate(steps):
-        start = s if start is None else start
-        if i + 1 == len(steps) or steps[i + 1] != s + 1:
-            out.append(str(s) if s == start else f"{start}-{s}")
-            start = None
-    return ", ".join(out)
