@@ -1,6 +1,7 @@
 """The launcher on real child processes and real gloo collectives."""
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -8,9 +9,15 @@ from pathlib import Path
 import pytest
 
 from megatron_bitdet.errors import BitdetInputError
-from megatron_bitdet.train.launch import _free_port, launch
+from megatron_bitdet.train.launch import launch
 
 TESTS = str(Path(__file__).parent)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _env(**extra):
@@ -78,7 +85,7 @@ def test_under_torchrun_runs_in_process(tmp_path):
             f"rc = launch('dist_workers:allreduce', 1, {{'out': {str(tmp_path)!r}}}); "
             f"open({str(tmp_path / 'caller.json')!r}, 'w').write(json.dumps(os.getpid())); sys.exit(rc)")
     env = {**os.environ, **_env(), "RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0",
-           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # torchrun's part
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     worker = json.loads((tmp_path / "rank_0.json").read_text())

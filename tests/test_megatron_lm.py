@@ -178,8 +178,11 @@ def test_recipe_disagreeing_with_a_flag_is_refused_naming_both(tmp_path, capsys)
     assert f"{recipe}:2: model.hidden_size" in err and "--hidden-size gives 64" in err
 
 
-def last_json(out: str) -> dict:
-    """The report printed last (the ranks' own output streams to the same console before it)."""
+def last_json(captured) -> dict:
+    """The report printed last (the ranks' own output streams to the same console before it); when there
+    is none, the failure shows the command's stderr (which says why)."""
+    out = captured.out
+    assert out.startswith("{\n") or "\n{\n" in out, f"no JSON report on stdout; stderr:\n{captured.err[-6000:]}"
     return json.loads(out[out.rindex("\n{\n") + 1:] if not out.startswith("{\n") else out)
 
 
@@ -194,7 +197,7 @@ def verify_resume(mamba_runs, out: Path, *extra: str) -> int:
 def test_verify_resume_holds_on_megatron_checkpoints_with_dropout_and_distopt(mamba_runs, tmp_path, capsys):
     capsys.readouterr()
     rc = verify_resume(mamba_runs, tmp_path)
-    report = last_json(capsys.readouterr().out)
+    report = last_json(capsys.readouterr())
     assert rc == 0 and report["holds"], report
     components = {c["component"] for c in report["checks"]}
     assert {"parameters", "optimizer", "scheduler", "data", "rng.torch_cpu", "rng.tracker"} <= components
@@ -205,7 +208,7 @@ def test_verify_resume_holds_on_megatron_checkpoints_with_dropout_and_distopt(ma
 def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(mamba_runs, tmp_path, capsys):
     capsys.readouterr()
     rc = verify_resume(mamba_runs, tmp_path, "--skip-restore", "rng")
-    report = last_json(capsys.readouterr().out)
+    report = last_json(capsys.readouterr())
     assert rc == 1 and not report["holds"]
     (resumed,) = [p for p in report["points"] if p["step"] == 2]
     assert "rng.torch_cpu" in resumed["failing_components"]
@@ -268,7 +271,7 @@ def test_localize_ladder_names_the_planted_op_in_megatron_lm_runs(planted_runs, 
     monkeypatch.chdir(REPO)
     capsys.readouterr()
     rc = bitdet(["localize", str(root / "a"), str(root / "b"), "--levels", "op", "--json"])
-    out = last_json(capsys.readouterr().out)
+    out = last_json(capsys.readouterr())
     assert rc == 1 and out["diverged"] and out["reproduced"], out
     assert out["first_step"] == 1 and [r["level"] for r in out["rungs"]] == ["op"]
     c = out["culprit"]

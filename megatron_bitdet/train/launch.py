@@ -32,7 +32,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -114,10 +113,13 @@ def run_rank(worker_path: str, args, backend: str | None = None, *, fresh_interp
     return result if isinstance(result, int) else 0
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous_store(nproc: int):
+    """The ranks' TCPStore, hosted here on a port the OS picked and this process keeps bound: every
+    rank joins it as a client (TORCHELASTIC_USE_AGENT_STORE, as under torchrun). A port found free and
+    handed to rank 0 to bind later can be taken in between (another launch's ranks, gloo's sockets)."""
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
 
 
 class _Rank:
@@ -180,8 +182,10 @@ def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank)
     if run_dir is not None:
         logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "megatron_bitdet.train.launch", worker_fn_path, args_json, backend or ""]
-    base = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()),
-            "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc), "PYTHONUNBUFFERED": "1"}
+    store = _rendezvous_store(nproc)
+    base = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
+            "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
+            "PYTHONUNBUFFERED": "1"}
     ranks: list[_Rank] = []
     exits: queue.Queue = queue.Queue()
     try:
