@@ -77,3 +77,39 @@ def test_doctor_bad_input_exits_2(tmp_path, capsys):
     assert main(["doctor", str(tmp_path)]) == 2
     assert "verify_resume.json" in capsys.readouterr().err
     assert main(["doctor", str(tmp_path / "a"), str(tmp_path / "b")]) == 2
+
+
+POINT = {"step": 2, "stop": 4, "state_holds": True, "failing_components": [], "first_output_divergence": None,
+         "steps_compared": [3, 4]}
+
+
+@pytest.mark.parametrize("report, message", [
+    ({"points": [POINT], "holds": "false"}, "'holds' is 'false', not true or false"),
+    ({"points": [POINT], "holds": float("nan")}, "'holds' is nan"),
+    ({"points": [], "holds": True}, "points is not a non-empty list"),
+    ({"points": [1], "holds": False}, "points is not a non-empty list of objects"),
+    ({"points": [{**POINT, "failing_components": 5}], "holds": False}, "points[0] is not a resume point"),
+    ({"points": [{**POINT, "step": "a"}], "holds": False}, "points[0] is not a resume point"),
+    ({"points": [{**POINT, "first_output_divergence": 3}], "holds": True}, "the report contradicts itself"),
+    ({"points": [{**POINT, "step": 0}], "holds": True}, "no point resumed from a checkpoint"),
+])
+def test_doctor_refuses_a_verify_resume_report_that_does_not_say_what_held(tmp_path, capsys, report, message):
+    """A report whose verdict is not a boolean, or contradicts its points, never reads 'resume holds'."""
+    import json
+
+    (tmp_path / "verify_resume.json").write_text(json.dumps(report))
+    assert main(["doctor", str(tmp_path)]) == 2
+    captured = capsys.readouterr()
+    assert message in captured.err and "verify_resume.json" in captured.err and "holds" not in captured.out
+    (tmp_path / "verify_resume.json").write_text(json.dumps({"points": [POINT], "holds": True}))
+    assert main(["doctor", str(tmp_path)]) == 0 and "verdict: resume holds" in capsys.readouterr().out
+
+
+def test_doctor_on_an_incomplete_pair_says_so(tmp_path, capsys):
+    """Run B stopped after step 3 of 5: the common steps match, which is not a match (nor a divergence)."""
+    from test_compare import write_run
+
+    a, b = write_run(tmp_path / "a", steps=5), write_run(tmp_path / "b", steps=3)
+    assert main(["doctor", str(a), str(b), "--offline"]) == 1
+    out = capsys.readouterr().out
+    assert "verdict: incomplete" in out and "only in A: 4-5; only in B: none" in out and "Traceback" not in out

@@ -105,3 +105,28 @@ def test_capture_size_bound_and_bad_files_exit_2(tmp_path, capsys):
     assert "foreign file" in capsys.readouterr().err
     assert main(["replay-op", str(tmp_path)]) == 2  # a directory without captures/
     assert "no capture" in capsys.readouterr().err
+
+
+def test_a_capture_names_no_module_to_run_for_an_aten_op_nor_a_malformed_one(tmp_path, monkeypatch, capsys):
+    """The capture is untrusted input: its 'home' is imported only to register a custom op that is not
+    registered already, and only when it is a module path; a module in the current directory cannot
+    take the place of one the replay imports (no current directory first on the worker's sys.path)."""
+    path = _capture(tmp_path / "a", lambda: torch.ones(4, 4) @ torch.ones(4, 4), "1/forward//aten.mm.default#0")
+    work = tmp_path / "cwd"
+    work.mkdir()
+    marker = tmp_path / "IMPORTED"
+    for name in ("planted_home", "json"):  # one the capture names, one every replay imports
+        (work / f"{name}.py").write_text(f"open({str(marker)!r}, 'a').write({name!r})\n")
+    monkeypatch.chdir(work)
+    rec = load_capture(path)
+    rec["home"] = "planted_home"
+    torch.save(rec, path)
+    capsys.readouterr()
+    assert main(["replay-op", str(path), "--repeats", "2", "--threads", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["mechanism"] == "deterministic_in_isolation"
+    assert not marker.exists()
+    rec["op"], rec["home"] = "bitdet_nowhere.op.default", "planted_home; import os"
+    torch.save(rec, path)
+    assert main(["replay-op", str(path), "--repeats", "2", "--threads", "1"]) == 2
+    assert "'home' is 'planted_home; import os', not a module path" in capsys.readouterr().err
+    assert not marker.exists()

@@ -167,6 +167,7 @@ def fake_run(run: Path, recipe_dict: dict) -> Path:
     (["--step", "7", "--counterfactual", "swap:1"], "expected skip-microbatch:M[@RANK]"),
     (["--step", "7", "--counterfactual", "skip-microbatch:4"], "a rank runs 2 micro-batches"),
     (["--step", "7", "--context", "-1"], "--context -1"),
+    (["--step", "1", "--counterfactual", "skip-microbatch:0"], "no step before the change would be reproduced"),
     (["model.nonsense=1", "--step", "7"], "model.nonsense"),
 ])
 def test_bad_input_exits_2_before_any_launch(tmp_path, capsys, argv, message):

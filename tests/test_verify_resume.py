@@ -18,9 +18,10 @@ import pytest
 import torch
 
 from conftest import faulted_chain
-from megatron_bitdet.workflows.resume import bitwise_equal, check_resume_at, run_reference, verify_resume
+from megatron_bitdet.workflows.resume import (bitwise_equal, check_resume_at, recipe_segment, run_chain,
+                                             run_reference, verify_resume)
 from megatron_bitdet.cli import main
-from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.errors import BitdetError, BitdetInputError
 from megatron_bitdet.recipe import load_recipe
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -84,6 +85,21 @@ def test_skipped_restore_is_named(recipe, reference, correct_chain, tmp_path, fa
     first = next(line for line in out.splitlines() if line.startswith("1. ["))
     assert first.startswith(f"1. [{cause}]"), out
     assert f"restored state differs: {component}" in out and "first divergent step: after_restore" in out
+
+
+def test_segment_that_restored_nothing_is_not_a_resume(recipe, reference, tmp_path):
+    """A 'resumed' segment that ignores its checkpoint and trains from step 1 (what a launch does whose
+    --load finds nothing) has the same live state at K and the same later outputs as the reference:
+    only its own fingerprints, steps 1..K included, show that nothing was restored."""
+    segment = recipe_segment(recipe, nproc=2)
+
+    def from_scratch(run_dir, start, stop, load_from):
+        segment(run_dir, start, stop, None)  # the checkpoint to load is dropped
+
+    with pytest.raises(BitdetError, match=r"resumed at step 2 but rank 0's fingerprints hold steps 1-6, expected "
+                                          r"3-6: it ran steps before its resume point, so nothing was restored"):
+        run_chain(from_scratch, name=recipe.name, steps=[2], iterations=6, nproc=2, out_dir=tmp_path,
+                  reference_dir=reference, faults=[])
 
 
 def test_cli_skipped_optimizer_moment_exits_1_with_json(reference, tmp_path, capsys):

@@ -69,6 +69,33 @@ def _resolve_op(name: str):
         raise BitdetInputError(f"op {name!r} is not registered in the replay process") from None
 
 
+def _register_custom_op(rec: dict, path: str):
+    """The captured op; a custom op not registered yet is registered by importing the module the capture
+    names as its home. The capture is untrusted input: that happens only for a non-ATen op, the name must
+    be a module path, the current directory goes last on sys.path (a capture can name a module, never
+    shadow one), and the import must register the op."""
+    import importlib
+
+    op, home = rec["op"], rec.get("home")
+    if not isinstance(op, str):
+        raise BitdetInputError(f"{path}: 'op' is {op!r}, not an op name")
+    try:
+        return _resolve_op(op)
+    except BitdetInputError:
+        if op.partition(".")[0] in ("aten", "prims") or not home:
+            raise
+    if not isinstance(home, str) or not all(part.isidentifier() for part in home.split(".")):
+        raise BitdetInputError(f"{path}: 'home' is {home!r}, not a module path")
+    sys.path.append(os.getcwd())
+    print(f"[replay-op] importing {home} (the module the capture names for {op})", file=sys.stderr, flush=True)
+    try:
+        importlib.import_module(home)
+    except ImportError as exc:
+        raise BitdetInputError(f"{path}: the op's module {home!r} is not importable here ({exc}); run from "
+                               "the directory the run was launched in") from None
+    return _resolve_op(op)
+
+
 def _digests(out) -> str:
     """Exact digests of every output tensor (dtype, shape, bytes)."""
     from megatron_bitdet.fingerprint.tensor import dtype_name, exact_digest
@@ -105,17 +132,13 @@ def _profiled(func, args, kwargs, trace_file: Path):
 
 def replay_worker(path: str, out_path: str, repeats: int, threads: list[int], other: str | None = None) -> None:
     """Runs in the fresh process: every configuration, ``repeats`` times each, results to JSON."""
-    import importlib
 
     import torch
 
     from megatron_bitdet.trace.capture import decode, load_capture, rebuild
 
     rec = load_capture(path)
-    if rec.get("home"):
-        sys.path.insert(0, os.getcwd())
-        importlib.import_module(rec["home"])
-    func = _resolve_op(rec["op"])
+    func = _register_custom_op(rec, path)
     captured = _digests([rebuild(t, strided=False) for t in rec.get("outputs", [])])
     cuda = any(t["device"].startswith("cuda") for t in rec["inputs"])
     results = []
@@ -191,10 +214,10 @@ def _flags(rec: dict) -> str:
 def _run_worker(path: Path, other_digest: str | None, repeats: int, threads: list[int]) -> dict:
     """The replay in a fresh interpreter (the op's own process state never leaks into the counts)."""
     out = Path(tempfile.mkdtemp(prefix="bitdet_replay_")) / "replay.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [os.getcwd(), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.run([sys.executable, "-m", "megatron_bitdet.analysis.kernel_replay", str(path), str(out),
+    # -P: no current directory first on sys.path (the worker appends it, last, for a custom op's module)
+    proc = subprocess.run([sys.executable, "-P", "-m", "megatron_bitdet.analysis.kernel_replay", str(path), str(out),
                            str(repeats), ",".join(map(str, threads)), *([other_digest] if other_digest else [])],
-                          capture_output=True, text=True, env=env, timeout=600)
+                          capture_output=True, text=True, timeout=600)
     if proc.returncode == 2:
         raise BitdetInputError(proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"{path}: replay refused")
     if proc.returncode != 0 or not out.is_file():

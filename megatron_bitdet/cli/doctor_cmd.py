@@ -10,7 +10,8 @@ EXAMPLES = """examples:
   bitdet doctor runs/verify_resume/nemotron_h_tiny  # a verify-resume --out directory
 
 Causes come from the catalog of known sources (catalog/known_sources.yaml, package data megatron_bitdet.catalog).
-Exit 0: nothing to diagnose (the runs match, the resume holds); 1: a divergence was diagnosed; 2: bad input."""
+Exit 0: nothing to diagnose (the runs match, the resume holds); 1: a divergence was diagnosed, or the runs
+were not compared in full (incomplete); 2: bad input."""
 
 
 def register(subparsers, summary: str) -> None:

@@ -70,6 +70,12 @@ def doctor(run_a, run_b=None, *, offline: bool = False, ladder: LadderConfig = L
     if cmp.verdict == "match":
         d = Diagnosis(facts={}, notes=[f"fingerprints match over {cmp.steps_compared} steps: nothing to diagnose"])
         return DoctorReport(d, sources, "match")
+    if cmp.verdict == "incomplete":
+        why = (f"steps missing: {cmp.missing_steps()}" if cmp.lengths_differ
+               else f"cut short: {', '.join(cmp.truncated)}")
+        d = Diagnosis(facts={}, notes=[f"the {cmp.steps_compared} common steps match, but {why}: not a match, and "
+                                       "no divergence to diagnose (a run stopped early?)"])
+        return DoctorReport(d, sources, "incomplete")
     resumed = _resumed(run_a) or _resumed(run_b)
     facts = [facts_from_compare(cmp, resumed=resumed)]
     div = cmp.first_divergence

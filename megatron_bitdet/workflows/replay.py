@@ -138,8 +138,10 @@ def _check_change(change: dict, recipe, nproc: int, step: int, first: int) -> No
                                    "micro-batches per step (0-based)")
         if change["rank"] is not None and change["rank"] >= nproc:
             raise BitdetInputError(f"skip-microbatch: no rank {change['rank']} (world size {nproc})")
-    if change["kind"] == "prev-params" and step - 1 < first:
-        raise BitdetInputError(f"prev-params needs step {step - 1} replayed; use --context >= 1")
+    if step - 1 < first:  # a counterfactual is trusted once the replay has reproduced the steps before it
+        how = "use --context >= 1" if step > 1 else "step 1 has no step before it"
+        raise BitdetInputError(f"{change['kind']} at step {step}: the replay starts at step {first}, so no step "
+                               f"before the change would be reproduced and verified against the original ({how})")
 
 
 def _short(v) -> str:

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_bitdet.analysis.compare import compare_runs
+from megatron_bitdet.analysis.fingerprints_io import load_run
 from megatron_bitdet.errors import BitdetError, BitdetInputError
 from megatron_bitdet.rundir import checkpoints_dir, iter_dir, logs_dir, read_result, snapshot_path
 
@@ -295,15 +296,44 @@ def run_chain(segment, *, name: str, steps: list[int], iterations: int, nproc: i
 
 def load_resume_report(out_dir) -> dict | None:
     """A saved verify-resume report (what `bitdet doctor` reads), or None when there is none."""
-    data = read_result(Path(out_dir) / REPORT_FILE, "verify-resume report", ("points", "holds"))
-    if data is not None and not isinstance(data["points"], list):
-        raise BitdetInputError(f"{Path(out_dir) / REPORT_FILE}: not a verify-resume report (points is not a list)")
+    path = Path(out_dir) / REPORT_FILE
+    data = read_result(path, "verify-resume report", ("points", "holds"))
+    if data is None:
+        return None
+    points = data["points"]
+    if not isinstance(points, list) or not points or not all(isinstance(p, dict) for p in points):
+        raise BitdetInputError(f"{path}: not a verify-resume report (points is not a non-empty list of objects)")
+    if type(data["holds"]) is not bool:
+        raise BitdetInputError(f"{path}: not a verify-resume report ('holds' is {data['holds']!r}, not true or false)")
+    for i, p in enumerate(points):
+        step, failing, first = p.get("step"), p.get("failing_components"), p.get("first_output_divergence")
+        steps = p.get("steps_compared")
+        if (type(step) is not int or step < 0 or not isinstance(failing, list)
+                or not all(isinstance(c, str) for c in failing) or not (first is None or type(first) is int)
+                or not isinstance(steps, list) or not all(type(s) is int for s in steps)):
+            raise BitdetInputError(f"{path}: points[{i}] is not a resume point (step, failing_components, "
+                                   "first_output_divergence, steps_compared)")
+        if data["holds"] and (failing or first is not None or p.get("state_holds") is False or not steps):
+            raise BitdetInputError(f"{path}: says the resume holds, but points[{i}] (resumed at {step}) does not: "
+                                   "the report contradicts itself")
+    if data["holds"] and not any(p["step"] for p in points):
+        raise BitdetInputError(f"{path}: says the resume holds, but no point resumed from a checkpoint")
     return data
 
 
 def _compare_outputs(reference_dir: Path, run_dir: Path, point: ResumePoint) -> None:
-    """Fingerprints of the segment's own steps against the same steps of the reference."""
+    """Fingerprints of the segment's own steps against the same steps of the reference. The segment
+    must hold exactly those steps: one that also ran steps up to its resume point restored nothing
+    (it trained from scratch, as a launch whose --load found no checkpoint does)."""
     expected = list(range(point.step + 1, point.stop + 1))
+    ran = {rank: run.steps(rank) for run in [load_run(run_dir)] for rank in run.ranks}
+    wrong = {rank: steps for rank, steps in ran.items() if steps != expected}
+    if wrong:
+        rank, steps = next(iter(wrong.items()))
+        raise BitdetError(f"{run_dir}: the segment resumed at step {point.step} but rank {rank}'s fingerprints "
+                          f"hold steps {_span(steps)}, expected {_span(expected)}"
+                          + (": it ran steps before its resume point, so nothing was restored" if steps
+                             and steps[0] <= point.step else ""))
     result = compare_runs(reference_dir, run_dir, steps=expected)
     point.steps_compared = [s.step for s in result.per_step]
     if point.steps_compared != expected or result.lengths_differ:
