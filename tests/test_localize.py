@@ -5,6 +5,7 @@ import json
 import random
 import types
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -165,6 +166,31 @@ def test_bad_traces_exit_2_naming_the_file(tmp_path):
     path.unlink()
     proc = bitdet(tmp_path / "a", tmp_path / "b")
     assert proc.returncode == 2 and "rank_00000.trace.jsonl" in proc.stderr
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("in", 5, "'in' must be a list of digests"),
+    ("in", ["garbage"], "'in' must be a list of digests"),
+    ("out", [5], "'out' must be a list of digests"),
+    ("step", "x", "'step' and 'n' must be integers"),
+    ("scope", None, "'scope' must be a string"),
+    ("phase", 1, "'phase' must be a string"),
+    ("header.world_size", "2", "header's rank, world_size or ranks"),
+    ("header.ranks", 7, "header's rank, world_size or ranks"),
+])
+def test_a_record_or_header_of_the_wrong_shape_is_refused(tmp_path, field, value, message):
+    """Valid JSON, wrong types: refused naming file:line, never read as a benign difference (a record
+    whose outputs still match) or a traceback."""
+    run_planted(tmp_path / "a", 1)
+    run_planted(tmp_path / "b", 1)
+    path = trace_path(tmp_path / "b", 0)
+    lines = path.read_bytes().split(b"\n")
+    where, _, key = field.rpartition(".")
+    i = 0 if where == "header" else 1
+    lines[i] = json.dumps({**json.loads(lines[i]), key: value}).encode()
+    path.write_bytes(b"\n".join(lines))
+    proc = bitdet(tmp_path / "a", tmp_path / "b")
+    assert proc.returncode == 2 and f"{path}:{i + 1}: " in proc.stderr and message in proc.stderr, proc.stderr
 
 
 def test_one_extra_event_on_either_side_is_a_control_divergence(tmp_path):

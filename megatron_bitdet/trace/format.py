@@ -126,12 +126,30 @@ class TraceFile:
 
 
 def parse_record(path: Path, line_no: int, raw: bytes) -> dict:
+    """A record as the tracer writes it: a corrupt one is refused, never read as a benign difference."""
     try:
         rec = json.loads(raw.decode("utf-8"))  # strict: json.loads(bytes) would let lone surrogates through
-        event_id(rec)
-        return rec
-    except (ValueError, KeyError, TypeError) as exc:
-        raise BitdetInputError(f"{path}:{line_no}: not a trace record ({exc})") from None
+    except (ValueError, RecursionError) as exc:  # UnicodeDecodeError and over-long integers included
+        raise BitdetInputError(f"{path}:{line_no}: not a trace record ({str(exc)[:200]})") from None
+    problem = _record_problem(rec)
+    if problem:
+        raise BitdetInputError(f"{path}:{line_no}: not a trace record ({problem})")
+    return rec
+
+
+def _record_problem(rec) -> str:
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    if type(rec.get("step")) is not int or rec["step"] < 1 or type(rec.get("n")) is not int or rec["n"] < 0:
+        return "'step' and 'n' must be integers"
+    bad = [k for k in ("phase", "scope", "name") if not isinstance(rec.get(k), str)]
+    if bad:
+        return f"{bad[0]!r} must be a string"
+    for key in ("in", "out", "flags"):
+        xs = rec.get(key, [])
+        if not isinstance(xs, list) or not all(isinstance(x, str) and (key == "flags" or ":" in x) for x in xs):
+            return f"{key!r} must be a list of {'flag names' if key == 'flags' else 'digests'}"
+    return ""
 
 
 def open_trace(path: Path) -> TraceFile:
@@ -143,7 +161,7 @@ def open_trace(path: Path) -> TraceFile:
         first = f.readline()
     try:
         header = json.loads(first.decode("utf-8"))
-    except ValueError:  # UnicodeDecodeError included
+    except (ValueError, RecursionError):  # UnicodeDecodeError and over-long integers included
         raise BitdetInputError(f"{path}:1: not a bitdet trace header") from None
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise BitdetInputError(f"{path}:1: foreign file (no '{FORMAT}' header)")
@@ -152,4 +170,8 @@ def open_trace(path: Path) -> TraceFile:
     for key in ("rank", "world_size", "level"):
         if key not in header:
             raise BitdetInputError(f"{path}:1: header lacks {key!r}")
+    ranks = header.get("ranks")
+    if (type(header["rank"]) is not int or type(header["world_size"]) is not int or header["world_size"] < 1
+            or not (ranks is None or isinstance(ranks, list) and all(type(r) is int for r in ranks))):
+        raise BitdetInputError(f"{path}:1: header's rank, world_size or ranks is not an integer (list)")
     return TraceFile(path, header)
