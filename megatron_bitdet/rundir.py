@@ -99,7 +99,7 @@ def read_result(path, what: str, required=()) -> dict | None:
         return None
     try:
         data = json.loads(path.read_text())
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, RecursionError):  # not JSON, not UTF-8, over-long integers, deep nesting
         raise BitdetInputError(f"{path}: not a {what} (corrupt JSON)") from None
     missing = [k for k in required if not isinstance(data, dict) or k not in data]
     if not isinstance(data, dict) or missing:

@@ -113,3 +113,28 @@ def test_doctor_on_an_incomplete_pair_says_so(tmp_path, capsys):
     assert main(["doctor", str(a), str(b), "--offline"]) == 1
     out = capsys.readouterr().out
     assert "verdict: incomplete" in out and "only in A: 4-5; only in B: none" in out and "Traceback" not in out
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"culprit": "x"}, "culprit is not an object of strings"),
+    ({"kernel": [1]}, "kernel is not an object of strings"),
+    ({"first_metrics": 5}, "first_step / first_metrics of the wrong type"),
+    ({"run_b": "a\u0000b"}, "run_b is not a path"),
+    ({"diverged": "yes"}, "diverged is not true or false"),
+])
+def test_doctor_refuses_a_saved_ladder_of_the_wrong_shape(tmp_path, capsys, change, message):
+    import json
+
+    from test_compare import write_run
+
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b", nudge=(0, 2))
+    saved = {"run_a": str(a), "run_b": str(b), "diverged": True, "first_step": 2, "first_metrics": ["loss"],
+             "culprit": {"classification": "producer", "op": "aten.mm.default", "module": "m", "evidence": "e"},
+             "kernel": None}
+    (a / "ladder").mkdir()
+    (a / "ladder" / "result.json").write_text(json.dumps(saved))
+    assert main(["doctor", str(a), str(b), "--offline"]) == 1  # the well-formed one is read
+    assert "localize:" in capsys.readouterr().out
+    (a / "ladder" / "result.json").write_text(json.dumps({**saved, **change}))
+    assert main(["doctor", str(a), str(b), "--offline"]) == 2
+    assert f"result.json: not a ladder result ({message}" in capsys.readouterr().err

@@ -111,3 +111,60 @@ def test_fuzz_checkpoint_files(saved_checkpoint, tmp_path, capsys):
     with capsys.disabled():
         report(f"checkpoint files ({len(files)} files)", tally)
     assert not run_dir.exists()  # nothing was launched
+
+
+HUGE = "9" * 5000  # past Python's 4300-digit int-parsing limit: a ValueError no JSON/YAML error class covers
+DEEP_JSON, DEEP_YAML = "[" * 100_000 + "]" * 100_000, "[" * 5000 + "]" * 5000  # past the recursion limit
+BOMB = "".join(f"{c}: &{c} [{', '.join([f'*{p}'] * 10)}]\n" for p, c in zip("abcdefg", "bcdefgh"))
+
+
+def test_structural_inputs_exit_2_naming_the_file(tmp_path, saved_checkpoint, capsys):
+    """What byte flips never make: an over-long integer, nesting deeper than the stack, a YAML alias bomb
+    (a "billion laughs": 10^7 expansions in 300 bytes), a directory where a file belongs. Each input kind
+    exits 2 naming its file (or the override), fast, with no traceback."""
+    from test_compare import write_run
+
+    recipe = tmp_path / "recipe.yaml"
+    base = Path(RECIPE).read_text()
+    cases = []
+    for name, text in (("hugeint", base + f"zz: {HUGE}\n"), ("deep", base + f"zz: {DEEP_YAML}\n"),
+                       ("bomb", "a: &a [x]\n" + BOMB)):
+        cases.append((f"recipe {name}", lambda text=text: recipe.write_text(text),
+                      ["recipe", "validate", str(recipe)], str(recipe)))
+    for name, value in (("hugeint", HUGE), ("deep", DEEP_YAML)):
+        cases.append((f"override {name}", lambda: None, ["recipe", "validate", str(RECIPE), f"training.iterations={value}"],
+                      "<override 'training.iterations="))
+    a, b = write_run(tmp_path / "a"), write_run(tmp_path / "b")
+    fp, manifest = b / "fingerprints" / "rank_00000.jsonl", b / "manifest.json"
+    good_fp, good_manifest = fp.read_text(), manifest.read_text()
+
+    def fingerprint(text):
+        fp.unlink() if fp.is_file() else fp.rmdir()
+        fp.mkdir() if text is None else fp.write_text(text + good_fp)
+
+    for name, text in (("hugeint", f'{{"zz": {HUGE}}}\n'), ("deep", DEEP_JSON + "\n"), ("directory", None)):
+        cases.append((f"fingerprint {name}", lambda text=text: fingerprint(text), ["compare", str(a), str(b)], str(fp)))
+    for name, text in (("hugeint", good_manifest[:-1] + f', "zz": {HUGE}}}'), ("deep", DEEP_JSON)):
+        cases.append((f"manifest {name}", lambda text=text: (fingerprint(""), manifest.write_text(text)),
+                      ["compare", str(a), str(b)], str(manifest)))
+    report_dir = tmp_path / "vr"
+    report_dir.mkdir()
+    for name, text in (("hugeint", f'{{"points": [], "holds": {HUGE}}}'), ("deep", DEEP_JSON)):
+        cases.append((f"verify_resume.json {name}", lambda text=text: (report_dir / "verify_resume.json").write_text(text),
+                      ["doctor", str(report_dir)], "verify_resume.json"))
+    ckpt = tmp_path / "checkpoints"
+    shutil.copytree(saved_checkpoint, ckpt / saved_checkpoint.name)
+    load = ["train", "--recipe", str(RECIPE), "--nproc", "2", "--run-dir", str(tmp_path / "run"), "--load", str(ckpt)]
+    cases.append(("checkpoint latest hugeint", lambda: (ckpt / "latest").write_text(HUGE), load, str(ckpt / "latest")))
+    meta = ckpt / saved_checkpoint.name / "bitdet_meta.json"
+    for name, text in (("hugeint", f'{{"files": {HUGE}}}'), ("deep", DEEP_JSON)):
+        cases.append((f"checkpoint meta {name}", lambda text=text: ((ckpt / "latest").unlink(missing_ok=True),
+                                                                   meta.write_text(text)),
+                      [*load[:-1], str(ckpt / saved_checkpoint.name)], str(meta)))
+    for label, prepare, argv, where in cases:
+        prepare()
+        capsys.readouterr()
+        assert main(argv) == 2, label
+        err = capsys.readouterr().err
+        assert where in err, (label, err[-2000:])
+    assert not (tmp_path / "run").exists()  # nothing was launched

@@ -139,8 +139,8 @@ def load_manifest(path) -> dict:
             manifest = json.load(fh)
     except FileNotFoundError:
         raise BitdetInputError(f"{path}: no manifest (was the run started with bitdet?)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise BitdetInputError(f"{path}: malformed manifest: {exc}") from None
+    except (OSError, ValueError, RecursionError) as exc:  # ValueError: not JSON, not UTF-8, over-long integers
+        raise BitdetInputError(f"{path}: malformed manifest: {str(exc)[:200]}") from None
     missing = [k for k in MANIFEST_KEYS if not isinstance(manifest, dict) or k not in manifest]
     if missing:
         raise BitdetInputError(f"{path}: malformed manifest: missing {', '.join(missing)}")

@@ -72,7 +72,10 @@ class StepRecord:
 
 def read_rank_file(path: Path, rank: int, *, allow_truncated: bool = False, warnings=None) -> list[StepRecord]:
     """Parse one rank's JSON-lines file; every defect names path:line."""
-    data = path.read_bytes()
+    try:
+        data = path.read_bytes()
+    except OSError as exc:  # a directory where the file should be, unreadable
+        raise BitdetInputError(f"{path}: unreadable fingerprint file ({exc.strerror or exc})") from None
     lines = data.split(b"\n")
     ends_whole = data.endswith(b"\n")
     if ends_whole:
@@ -83,7 +86,7 @@ def read_rank_file(path: Path, rank: int, *, allow_truncated: bool = False, warn
         is_last_partial = no == len(lines) and not ends_whole
         try:
             obj = json.loads(raw.decode("utf-8"))  # strict: json.loads(bytes) lets lone surrogates through
-        except (json.JSONDecodeError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # not JSON, not UTF-8, over-long integers, deep nesting
             if is_last_partial:
                 if allow_truncated:
                     if warnings is not None:

@@ -84,7 +84,7 @@ def read_step_times(run_dir, nproc: int) -> dict[int, dict[int, float]]:
         for n, raw in enumerate(lines, 1):
             try:
                 line = json.loads(raw.decode("utf-8"))
-            except (UnicodeDecodeError, ValueError):
+            except (ValueError, RecursionError):  # UnicodeDecodeError and over-long integers included
                 raise BitdetInputError(f"{path}:{n}: not a JSON line") from None
             ok = (isinstance(line, dict) and line.get("v") == FORMAT_VERSION and line.get("rank") == rank
                   and type(line.get("step")) is int and line["step"] >= 1 and type(line.get("seconds")) is float

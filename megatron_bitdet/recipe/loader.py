@@ -38,7 +38,12 @@ def render(issue: Issue, locations: Locations, default_source: str) -> str:
     return f"{where}: {key}: {issue.message}" if key else f"{where}: {issue.message}"
 
 
-def _walk(node, path: Path, source: str, locs: Locations, issues: list):
+def _walk(node, path: Path, source: str, locs: Locations, issues: list, walked: set):
+    """Key locations and key errors, each node once: an alias is the node it names, so a file of nested
+    aliases (a "billion laughs") is walked in the time it was composed, not once per expansion."""
+    if id(node) in walked:
+        return
+    walked.add(id(node))
     if isinstance(node, yaml.MappingNode):
         seen = set()
         for key_node, value_node in node.value:
@@ -51,11 +56,11 @@ def _walk(node, path: Path, source: str, locs: Locations, issues: list):
             if key in seen:
                 issues.append(Issue(path + (key,), "duplicate key"))
             seen.add(key)
-            _walk(value_node, path + (key,), source, locs, issues)
+            _walk(value_node, path + (key,), source, locs, issues, walked)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
             locs[path + (i,)] = (source, item.start_mark.line + 1)
-            _walk(item, path + (i,), source, locs, issues)
+            _walk(item, path + (i,), source, locs, issues, walked)
 
 
 def read_yaml(path: str):
@@ -85,10 +90,12 @@ def read_yaml(path: str):
         raise RecipeError([f"{path}{line}: invalid YAML: {exc.problem or exc.context}"]) from None
     except yaml.YAMLError as exc:
         raise RecipeError([f"{path}: invalid YAML: {exc}"]) from None
+    except (ValueError, RecursionError) as exc:  # an over-long integer, nesting deeper than Python's stack
+        raise RecipeError([f"{path}: invalid YAML: {str(exc)[:200]}"]) from None
     finally:
         loader.dispose()
     locs, issues = {(): (path, 1)}, []
-    _walk(node, (), path, locs, issues)
+    _walk(node, (), path, locs, issues, set())
     if not isinstance(data, dict):
         issues.append(Issue((), f"a recipe must be a mapping of sections, got {type(data).__name__}"))
     if issues:
@@ -136,7 +143,7 @@ def apply_overrides(data: dict, locs: Locations, overrides) -> list:
     """Set each 'a.b.c=value' (value parsed as a YAML scalar / flow collection); returns the issues."""
     issues = []
     for text in overrides:
-        source = f"<override {text!r}>"
+        source = f"<override {text if len(text) <= 80 else text[:77] + '...'!r}>"
         key, sep, raw = text.partition("=")
         key = key.strip()
         if not sep or not _KEY.match(key):
@@ -150,6 +157,9 @@ def apply_overrides(data: dict, locs: Locations, overrides) -> list:
             value = yaml.safe_load(raw)
         except yaml.YAMLError as exc:
             issues.append(f"{source}: {key}: value is not valid YAML: {getattr(exc, 'problem', exc)}")
+            continue
+        except (ValueError, RecursionError) as exc:  # an over-long integer, nesting deeper than Python's stack
+            issues.append(f"{source}: {key}: value is not usable YAML: {str(exc)[:120]}")
             continue
         node = data
         for i, part in enumerate(path[:-1]):

@@ -217,7 +217,7 @@ def read_stats(path: Path) -> dict[int, dict]:
     for no, raw in enumerate(lines[:-1], start=1):
         try:
             obj = json.loads(raw)
-        except (ValueError, UnicodeDecodeError):
+        except (ValueError, RecursionError):  # UnicodeDecodeError and over-long integers included
             raise BitdetInputError(f"{path}:{no}: not JSON") from None
         if no == 1:
             if not isinstance(obj, dict) or obj.get("format") != FORMAT:

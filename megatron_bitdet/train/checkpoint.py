@@ -143,7 +143,7 @@ def resolve_checkpoint(path) -> Path:
     path = Path(path)
     if (path / LATEST).is_file():
         text = (path / LATEST).read_bytes().decode("utf-8", errors="replace").strip()
-        if not text.isdigit() or not text.isascii():
+        if not text.isdigit() or not text.isascii() or len(text) > 18:
             raise BitdetInputError(f"{path / LATEST}: expected an iteration number, found {text[:40]!r}")
         path = iter_dir(path, int(text))
     if not (path / META).is_file():
@@ -177,6 +177,8 @@ def read_meta(path: Path) -> dict:
         raise BitdetInputError(f"{where}: corrupt checkpoint metadata (not UTF-8 at byte {exc.start})") from None
     except json.JSONDecodeError as exc:
         raise BitdetInputError(f"{where}:{exc.lineno}: corrupt checkpoint metadata (not JSON: {exc.msg})") from None
+    except (ValueError, RecursionError) as exc:  # over-long integers, deep nesting
+        raise BitdetInputError(f"{where}: corrupt checkpoint metadata ({str(exc)[:200]})") from None
     files = meta.get("files") if isinstance(meta, dict) else None
     if not isinstance(files, dict) or not all(isinstance(v, str) for v in files.values()):
         raise BitdetInputError(f"{where}: corrupt checkpoint metadata (no 'files' digest table)")

@@ -58,7 +58,7 @@ def read_json(path: Path) -> dict | None:
     """The JSON object at ``path``, or None when it is missing or unreadable (a torn write)."""
     try:
         obj = json.loads(path.read_text())
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     return obj if isinstance(obj, dict) else None
 

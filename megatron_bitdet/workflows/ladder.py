@@ -131,8 +131,33 @@ def ladder_result_path(run_a) -> Path:
 
 def load_ladder_result(run_a, run_b) -> dict | None:
     """The saved ladder of this pair (None when absent or made for another run B)."""
-    data = read_result(ladder_result_path(run_a), "ladder result", ("diverged", "run_b"))
-    return data if data and Path(str(data["run_b"])).resolve() == Path(run_b).resolve() else None
+    path = ladder_result_path(run_a)
+    data = read_result(path, "ladder result", ("diverged", "run_b"))
+    if data is None:
+        return None
+    problem = _ladder_result_problem(data)
+    if problem:
+        raise BitdetInputError(f"{path}: not a ladder result ({problem})")
+    return data if Path(data["run_b"]).resolve() == Path(run_b).resolve() else None
+
+
+def _ladder_result_problem(data: dict) -> str:
+    """What doctor reads of a saved ladder, with the types the ladder writes."""
+    if not isinstance(data["run_b"], str) or not data["run_b"] or "\0" in data["run_b"]:
+        return "run_b is not a path"
+    if type(data["diverged"]) is not bool:
+        return "diverged is not true or false"
+    step, metrics = data.get("first_step"), data.get("first_metrics", [])
+    if not (step is None or type(step) is int) or not isinstance(metrics, list) \
+            or not all(isinstance(m, str) for m in metrics):
+        return "first_step / first_metrics of the wrong type"
+    for key, fields in (("culprit", ("classification", "op", "module", "evidence")),
+                        ("kernel", ("mechanism", "deterministic_variant"))):
+        value = data.get(key)
+        if value is not None and (not isinstance(value, dict) or not all(
+                value.get(f) is None or isinstance(value[f], str) for f in fields)):
+            return f"{key} is not an object of strings ({', '.join(fields)})"
+    return ""
 
 
 def run_ladder(run_a, run_b, config: LadderConfig = LadderConfig()) -> LadderResult:
