@@ -305,6 +305,14 @@ def test_tensorboard_missing_last_steps_or_cut_record_is_not_a_match(tmp_path, c
     p = bitdet_inproc(capsys, a, cut)
     assert p.returncode == 2 and f"{event_file}: truncated record" in p.stderr
     assert bitdet_inproc(capsys, a, cut, "--allow-truncated").returncode == 1
+    bad = write_tensorboard(tmp_path / "bad", steps=6)
+    (event_file,) = bad.glob("events.out.tfevents.*")
+    data = bytearray(event_file.read_bytes())
+    data[len(data) // 2] ^= 0x01  # one bit of a record in the middle: TensorBoard's reader stops there silently
+    event_file.write_bytes(bytes(data))
+    for extra in ((), ("--allow-truncated",)):
+        p = bitdet_inproc(capsys, a, bad, *extra)
+        assert p.returncode == 2 and f"{event_file}: corrupt record at byte" in p.stderr, p.stderr
 
 
 def test_missing_or_corrupt_manifest(tmp_path):

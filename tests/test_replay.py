@@ -208,3 +208,20 @@ def test_module_stats_reader_names_the_file_and_line(tmp_path, content, where):
     path.write_bytes(content)
     with pytest.raises(BitdetInputError, match=re.escape(str(path)) + ".*" + re.escape(where)):
         read_stats(path)
+
+
+def test_a_corrupt_checkpoint_is_bad_input_refused_before_any_launch(spike_run, tmp_path, capsys):
+    """A changed byte in the checkpoint the replay would start from: exit 2 naming it (a rank refusing
+    it later read as exit 1, 'the replay failed')."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(spike_run, run, ignore=shutil.ignore_patterns("replay"))
+    shard = next(p for p in sorted((run / "checkpoints" / "iter_0000004").iterdir()) if p.suffix == ".distcp")
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x10
+    shard.write_bytes(bytes(data))
+    assert main(["replay", str(run), "--step", "6", "--context", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "iter_0000004: checkpoint is corrupt" in err and shard.name in err
+    assert not (run / "replay").exists()

@@ -32,16 +32,25 @@ class TensorBoardConfig:
 
 
 def truncated_at(event_file: Path) -> int | None:
-    """Byte offset of a record cut short (a writer killed mid-record), else None. TFRecord framing:
-    u64 length, u32 length CRC, data, u32 data CRC; TensorBoard's reader stops there silently."""
+    """Byte offset of a record cut short (a writer killed mid-record), else None; BitdetInputError at a
+    record whose length or data CRC fails. TFRecord framing: u64 length, u32 masked CRC32C of the length,
+    data, u32 masked CRC32C of the data. TensorBoard's reader stops at either silently: every step
+    after it would be missing without a word."""
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c  # the reader's own
+
     data = event_file.read_bytes()
     pos = 0
     while pos < len(data):
         if pos + 12 > len(data):
             return pos
         (length,) = struct.unpack_from("<Q", data, pos)
+        if struct.unpack_from("<I", data, pos + 8)[0] != masked_crc32c(data[pos:pos + 8]):
+            raise BitdetInputError(f"{event_file}: corrupt record at byte {pos} (length CRC mismatch)")
         if pos + 12 + length + 4 > len(data):
             return pos
+        body = data[pos + 12:pos + 12 + length]
+        if struct.unpack_from("<I", data, pos + 12 + length)[0] != masked_crc32c(body):
+            raise BitdetInputError(f"{event_file}: corrupt record at byte {pos} (data CRC mismatch)")
         pos += 12 + length + 4
     return None
 

@@ -27,7 +27,7 @@ from megatron_bitdet.analysis.spike import load_stats, merge, rank_modules, rout
 from megatron_bitdet.errors import BitdetError, BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_float
 from megatron_bitdet.rundir import checkpoints_dir, iter_dir, replay_dir
-from megatron_bitdet.train.checkpoint import META
+from megatron_bitdet.train.checkpoint import META, verify_checkpoint
 from megatron_bitdet.workflows.relaunch import RelaunchSpec, StaleRecipe, relaunch_spec
 
 RESULT = "replay.json"
@@ -205,6 +205,8 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
     spec = _spec(run_dir, overrides)
     checkpoint, ckpt_path = choose_checkpoint(Path(checkpoints) if checkpoints else checkpoints_dir(run_dir),
                                               max(0, step - 1 - context))
+    if ckpt_path is not None:
+        verify_checkpoint(ckpt_path)  # a corrupt file is bad input (exit 2), refused before any rank starts
     first = checkpoint + 1
     missing = [s for s in range(first, step + 1) if s not in have]
     if missing:
