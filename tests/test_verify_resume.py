@@ -151,6 +151,25 @@ def test_unusable_reference_and_fault_are_refused_before_launching(recipe, refer
         check_resume_at([True], 6)
 
 
+def test_corrupt_or_misplaced_reference_snapshot_is_refused_before_training(recipe, reference, tmp_path):
+    """A reused reference's snapshots are read before any segment trains: a truncated file or one of
+    another step was a traceback (or a silent step mix-up) only after the whole chain had trained."""
+    import shutil
+
+    from megatron_bitdet.rundir import snapshot_path
+
+    copy = tmp_path / "reference"
+    shutil.copytree(reference, copy)
+    victim = snapshot_path(copy, 2, 1)
+    victim.write_bytes(victim.read_bytes()[:100])
+    with pytest.raises(BitdetInputError, match="rank_00001.pt: not a readable live-state snapshot"):
+        verify_resume(recipe, [2], nproc=2, out_dir=tmp_path / "out", reference_dir=copy)
+    shutil.copyfile(snapshot_path(copy, 3, 1), victim)
+    with pytest.raises(BitdetInputError, match="the snapshot is of step 3 rank 1"):
+        verify_resume(recipe, [2], nproc=2, out_dir=tmp_path / "out", reference_dir=copy)
+    assert not (tmp_path / "out").exists()
+
+
 def test_bitwise_equal_is_bits_not_values():
     x = torch.linspace(-1, 1, 12).reshape(3, 4)
     y = x.clone()

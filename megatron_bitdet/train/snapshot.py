@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.rundir import snapshot_path
 from megatron_bitdet.train import precision
 from megatron_bitdet.train.checkpoint import capture_rng
@@ -88,3 +89,32 @@ def inject_restore_faults(faults, *, ddp_modules, optimizer, scheduler_state_bef
         scheduler.load_state_dict(scheduler_state_before)
     if "data" in faults:
         data.load_state_dict(data_state_before)
+
+
+def read_snapshot(path) -> dict:
+    """A live-state snapshot as saved; BitdetInputError naming the file otherwise."""
+    path = Path(path)
+    try:
+        state = torch.load(path, weights_only=True, map_location="cpu")
+    except FileNotFoundError:
+        raise BitdetInputError(f"{path}: live-state snapshot missing") from None
+    except Exception as exc:  # any byte sequence: pickle, zip and torch errors alike
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise BitdetInputError(f"{path}: not a readable live-state snapshot ({type(exc).__name__}: {first[:200]})") from None
+    if not isinstance(state, dict) or type(state.get("step")) is not int or type(state.get("rank")) is not int:
+        raise BitdetInputError(f"{path}: not a live-state snapshot (expected a mapping with 'step' and 'rank')")
+    return state
+
+
+def check_snapshots(run_dir, steps, nproc: int, how: str) -> None:
+    """A reused reference must hold a readable snapshot for every resume step and rank: refused before
+    any segment trains, not after. ``how``: what makes a reference with these snapshots."""
+    for k in steps:
+        for rank in range(nproc):
+            path = snapshot_path(run_dir, k, rank)
+            if not path.is_file():
+                raise BitdetInputError(f"{run_dir}: no live-state snapshot for iteration {k} rank {rank} ({path}); "
+                                       f"{how}")
+            state = read_snapshot(path)
+            if (state["step"], state["rank"]) != (k, rank):
+                raise BitdetInputError(f"{path}: the snapshot is of step {state['step']} rank {state['rank']}")

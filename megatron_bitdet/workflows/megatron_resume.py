@@ -37,13 +37,9 @@ def skipped_restore_flags(skip_restore) -> list[str]:
 
 
 def _check_reference(reference: Path, steps: list[int], nproc: int) -> None:
-    from megatron_bitdet.train.snapshot import snapshot_path
+    from megatron_bitdet.train.snapshot import check_snapshots
 
-    missing = [str(snapshot_path(reference, k, r)) for k in steps for r in range(nproc)
-               if not snapshot_path(reference, k, r).is_file()]
-    if missing:
-        raise BitdetInputError(f"{reference}: no live-state snapshot {missing[0]} (make the reference with "
-                               f"--snapshot-at {','.join(map(str, steps))})")
+    check_snapshots(reference, steps, nproc, f"make the reference with --snapshot-at {','.join(map(str, steps))}")
 
 
 def verify_megatron_resume(script: str, megatron_args: list, resume_at, *, nproc: int, out_dir,

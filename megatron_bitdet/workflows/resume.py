@@ -225,12 +225,9 @@ def _check_reference(reference_dir: Path, recipe, resume_at: list[int], nproc: i
     if manifest["scope"].get("world_size") != nproc:
         raise BitdetInputError(f"{reference_dir}: the reference ran on {manifest['scope'].get('world_size')} "
                                f"ranks, not --nproc {nproc}")
-    for k in resume_at:
-        for rank in range(nproc):
-            if not snapshot_path(reference_dir, k, rank).is_file():
-                raise BitdetInputError(f"{reference_dir}: no live-state snapshot for iteration {k} rank {rank} "
-                                       f"({snapshot_path(reference_dir, k, rank)}); rerun the reference with "
-                                       f"these resume points")
+    from megatron_bitdet.train.snapshot import check_snapshots
+
+    check_snapshots(reference_dir, resume_at, nproc, "rerun the reference with these resume points")
 
 
 def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_provider=None, faults=(),
@@ -351,9 +348,9 @@ def _compare_outputs(reference_dir: Path, run_dir: Path, point: ResumePoint) -> 
 
 def compare_snapshots(reference_dir, resumed_dir, step: int, rank: int) -> list[StateCheck]:
     """Every leaf of the two live-state snapshots at ``step`` for ``rank``, compared bitwise."""
-    import torch
+    from megatron_bitdet.train.snapshot import read_snapshot
 
-    ref, res = (torch.load(snapshot_path(d, step, rank), weights_only=True) for d in (reference_dir, resumed_dir))
+    ref, res = (read_snapshot(snapshot_path(d, step, rank)) for d in (reference_dir, resumed_dir))
     checks = []
     for component, a, b in _components(ref, res):
         for key, va, vb in _leaves(a, b, ""):
