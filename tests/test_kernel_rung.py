@@ -130,3 +130,27 @@ def test_a_capture_names_no_module_to_run_for_an_aten_op_nor_a_malformed_one(tmp
     assert main(["replay-op", str(path), "--repeats", "2", "--threads", "1"]) == 2
     assert "'home' is 'planted_home; import os', not a module path" in capsys.readouterr().err
     assert not marker.exists()
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("threads", "2", "'threads' is str, expected int"),
+    ("threads", 0, "'threads' or 'arg_names' is malformed"),
+    ("deterministic_algorithms", None, "'deterministic_algorithms' is missing or not a bool"),
+    ("args", [{"tensor": 7}, {"tensor": 1}], "args[0]: 'tensor' 7 is not an encoded argument"),
+    ("args", [{"dtype": "no_such_dtype"}], "args[0]: 'dtype' 'no_such_dtype'"),
+    ("kwargs", [], "'args' (a list) and 'kwargs' (a mapping) are required"),
+    ("inputs", {"0": 1}, "'inputs' is missing or not a list"),
+    ("outputs", [{"shape": [4, 4], "stride": [4], "dtype": "float32"}], "output 0 is malformed"),
+    ("outputs", None, "'outputs' is missing or not a list"),
+])
+def test_a_capture_of_the_wrong_shape_exits_2_naming_the_field(tmp_path, capsys, field, value, message):
+    """A capture torch.load reads (weights_only) but whose fields replay could not use: exit 2 naming the
+    file and the field, before any replay process starts (was a traceback: 'the replay failed')."""
+    path = _capture(tmp_path / "a", lambda: torch.ones(4, 4) @ torch.ones(4, 4), "1/forward//aten.mm.default#0")
+    rec = load_capture(path)
+    rec[field] = value
+    torch.save(rec, path)
+    capsys.readouterr()
+    assert main(["replay-op", str(path), "--repeats", "2", "--threads", "1"]) == 2
+    err = capsys.readouterr().err
+    assert str(path) in err and message in err, err

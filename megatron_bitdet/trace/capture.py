@@ -171,13 +171,87 @@ def load_capture(path) -> dict:
         raise BitdetInputError(f"{path}: foreign file (no '{FORMAT}' record)")
     if rec.get("v") != VERSION:
         raise BitdetInputError(f"{path}: capture version {rec.get('v')!r}, expected {VERSION}")
-    for key in ("op", "event_id", "threads", "arg_names"):
-        if key not in rec:
-            raise BitdetInputError(f"{path}: capture lacks {key!r}")
-    for i, t in enumerate(rec.get("inputs", [])):
-        if not isinstance(t, dict) or not all(k in t for k in ("shape", "stride", "dtype")):
-            raise BitdetInputError(f"{path}: input {i} is malformed")
-        if "data" in t and (not isinstance(t["data"], torch.Tensor) or list(t["data"].shape) != list(t["shape"])
-                            or math.prod(t["shape"]) != t["data"].numel()):
-            raise BitdetInputError(f"{path}: input {i}: stored data does not match its shape")
+    problem = _capture_problem(rec)
+    if problem:
+        raise BitdetInputError(f"{path}: {problem}")
     return rec
+
+
+def _ints(x) -> bool:
+    return isinstance(x, list) and all(type(v) is int and v >= 0 for v in x)
+
+
+def _tensor_problem(t, what: str) -> str | None:
+    if not isinstance(t, dict) or not _ints(t.get("shape")) or not _ints(t.get("stride")) \
+            or len(t["shape"]) != len(t["stride"]) or not isinstance(t.get("dtype"), str) \
+            or not isinstance(t.get("device", ""), str):
+        return f"{what} is malformed (expected shape and stride lists of equal length, dtype and device names)"
+    if "data" in t and (not isinstance(t["data"], torch.Tensor) or list(t["data"].shape) != t["shape"]
+                        or math.prod(t["shape"]) != t["data"].numel()):
+        return f"{what}: stored data does not match its shape"
+    return None
+
+
+def _argument_problem(obj, n_tensors: int, where: str, depth: int = 0) -> str | None:
+    """The encoded arguments ``decode`` can rebuild: tensor indices in range, torch names that exist."""
+    if depth > 32:
+        return f"{where}: nested too deep"
+    if isinstance(obj, list):
+        return next((p for i, x in enumerate(obj) if (p := _argument_problem(x, n_tensors, f"{where}[{i}]", depth + 1))),
+                    None)
+    if isinstance(obj, _SCALARS):
+        return None
+    if not isinstance(obj, dict) or len(obj) != 1:
+        return f"{where}: {type(obj).__name__} is not an encoded argument"
+    (kind, value), = obj.items()
+    if kind == "tensor":
+        ok = type(value) is int and 0 <= value < n_tensors
+    elif kind == "tuple":
+        return _argument_problem(value, n_tensors, where, depth + 1) if isinstance(value, list) else f"{where}: bad tuple"
+    elif kind == "dict":
+        if not isinstance(value, dict):
+            return f"{where}: bad dict"
+        return next((p for k, v in value.items() if (p := _argument_problem(v, n_tensors, f"{where}.{k}", depth + 1))),
+                    None)
+    elif kind == "dtype":
+        ok = isinstance(value, str) and isinstance(getattr(torch, value, None), torch.dtype)
+    elif kind == "device":
+        try:
+            torch.device(value)
+            ok = isinstance(value, str)
+        except (RuntimeError, TypeError):
+            ok = False
+    elif kind == "torch":
+        ok = isinstance(value, str) and isinstance(getattr(torch, value, None), (torch.layout, torch.memory_format))
+    else:
+        ok = False
+    return None if ok else f"{where}: {kind!r} {value!r} is not an encoded argument"
+
+
+def _capture_problem(rec: dict) -> str | None:
+    """What a capture holds that ``replay_op`` could not use (None: nothing): the fields as ``before`` /
+    ``after`` write them."""
+    for key, kind in (("op", str), ("event_id", str), ("rank", int), ("threads", int), ("arg_names", list)):
+        if key not in rec:
+            return f"capture lacks {key!r}"
+        if type(rec[key]) is not kind:
+            return f"capture field {key!r} is {type(rec[key]).__name__}, expected {kind.__name__}"
+    if rec["threads"] < 1 or not all(isinstance(n, str) for n in rec["arg_names"]):
+        return "capture field 'threads' or 'arg_names' is malformed"
+    if "unsupported" in rec or "too_large" in rec:
+        return None  # metadata only: replay_op refuses it, naming why
+    if type(rec.get("deterministic_algorithms")) is not bool:
+        return "capture field 'deterministic_algorithms' is missing or not a bool"
+    for key in ("inputs", "outputs"):
+        if not isinstance(rec.get(key), list):
+            return f"capture field {key!r} is missing or not a list"
+        for i, t in enumerate(rec[key]):
+            problem = _tensor_problem(t, f"{key[:-1]} {i}")
+            if problem:
+                return problem
+            if "data" not in t:
+                return f"{key[:-1]} {i} has no stored data"
+    if not isinstance(rec.get("args"), list) or not isinstance(rec.get("kwargs"), dict):
+        return "capture fields 'args' (a list) and 'kwargs' (a mapping) are required"
+    return (_argument_problem(rec["args"], len(rec["inputs"]), "args")
+            or _argument_problem({"dict": rec["kwargs"]}, len(rec["inputs"]), "kwargs"))
