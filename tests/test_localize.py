@@ -205,7 +205,11 @@ def test_one_extra_event_on_either_side_is_a_control_divergence(tmp_path):
             res = localize_traces(tmp_path / first, tmp_path / second)
             f = res.per_rank[0]
             assert res.mismatch and f.classification == "control_divergence", (drop, first, f)
-            assert f.detail == f"{trace_path(tmp_path / longer, 0)} has more events after event {compared}"
+            extra = json.loads(full[compared + 1])  # the first record only the longer trace holds
+            assert f.detail.startswith(f"{trace_path(tmp_path / longer, 0)} has more events after event {compared}, "
+                                       f"the first {f.event_id}")
+            assert (f.step, f.phase, f.op, f.line) == (extra["step"], extra["phase"], extra["name"], compared + 2)
+            assert res.culprit["step"] == extra["step"] and res.culprit["event_id"] == f.event_id
 
 
 def test_traces_without_events_are_not_a_match(tmp_path):

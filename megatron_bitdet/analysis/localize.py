@@ -271,9 +271,13 @@ def compare_rank(job: tuple) -> RankFinding:
             f.incomplete = (f"{t.path} ends in a truncated record (a crashed or cut run): events after "
                             f"event {f.events} were not compared")
     if (rest_a or rest_b) and not f.warnings:
-        longer = ta if rest_a else tb
+        longer, (line, raw) = (ta, rest_a) if rest_a else (tb, rest_b)
+        extra = parse_record(longer.path, line, raw)  # named as the culprit: the ladder narrows to its step
+        f.step, f.phase, f.event_id, f.op, f.module, f.kind = (
+            extra["step"], extra["phase"], event_id(extra), extra["name"], extra["scope"], extra.get("k"))
+        f.line = line
         f.classification = CONTROL
-        f.detail = f"{longer.path} has more events after event {f.events}"
+        f.detail = f"{longer.path} has more events after event {f.events}, the first {f.event_id}"
     elif not f.events and not f.incomplete:
         f.incomplete = "neither trace holds an event (no traced step ran): nothing was compared"
     return f
