@@ -103,3 +103,28 @@ def test_ladder_refuses_a_scope_mismatch(planted_runs, tmp_path, capsys):
         (other / "fingerprints" / f.name).write_bytes(f.read_bytes())
     assert main(["localize", str(planted_runs[0]), str(other)]) == 2
     assert "validation scopes differ" in capsys.readouterr().err
+
+
+@pytest.mark.timeout(900)
+def test_a_rerun_whose_traces_are_cut_short_is_incomplete_not_intermittent(planted_runs, monkeypatch):
+    """Re-run traces that end in a cut record before any mismatch compared nothing after the cut: the
+    ladder says so, and never that the divergence did not reproduce (the fault, a cut trace, is the
+    subject: the real re-runs' traces are cut after they finish)."""
+    from megatron_bitdet.rundir import trace_dir
+    from megatron_bitdet.workflows import ladder as ladder_mod
+
+    real = ladder_mod._relaunch_both
+
+    def relaunch_then_cut(*args, **kwargs):
+        outs = real(*args, **kwargs)
+        for path in trace_dir(outs[1]).iterdir():
+            header, first = path.read_bytes().split(b"\n")[:2]
+            path.write_bytes(header + b"\n" + first[: len(first) // 2])
+        return outs
+
+    monkeypatch.setattr(ladder_mod, "_relaunch_both", relaunch_then_cut)
+    result = run_ladder(*planted_runs, LadderConfig(levels=("semantic",), retries=0, kernel=False))
+    assert result.diverged and result.reproduced is False and result.culprit is None
+    assert result.note.startswith("incomplete: the semantic re-run's traces (steps 1-1) were not compared to their "
+                                  "end (rank 0: "), result.note
+    assert "neither reproduced nor ruled out" in result.note and "intermittent" not in result.note

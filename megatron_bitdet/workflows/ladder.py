@@ -196,6 +196,12 @@ def _climb(run_a, run_b, config: LadderConfig) -> LadderResult:
         c = found.culprit
         result.rungs.append(Rung(level, list(steps), ranks, [str(o) for o in outs], found.mismatch, c,
                                  found.events_compared))
+        if not found.mismatch and found.incomplete:  # nothing after the cut was compared: not "did not reproduce"
+            result.reproduced = False
+            result.note = (f"incomplete: the {level} re-run's traces (steps {steps[0]}-{steps[1]}) were not compared "
+                           f"to their end ({'; '.join(found.incomplete)}): the divergence at step {div.step} was "
+                           "neither reproduced nor ruled out")
+            return result
         if not found.mismatch:
             result.reproduced = False
             result.note = (f"intermittent: the divergence at step {div.step} did not reproduce in "
