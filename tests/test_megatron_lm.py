@@ -216,6 +216,22 @@ def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(
     assert report["first_output_divergence"] == {"2": 3}  # dropout draws from the unrestored generator
 
 
+def test_verify_resume_refuses_a_reference_of_another_launch_line_before_any_segment(mamba_runs, tmp_path, capsys):
+    """A reused reference must be the same line's uninterrupted run: one launched with another seed
+    made every segment read as broken (the fresh one first); now exit 2 naming the first differing flag."""
+    runs, rcs = mamba_runs
+    assert rcs["seed"] == 0
+    capsys.readouterr()
+    rc = bitdet(["verify-resume", "--megatron-lm", script("pretrain_mamba.py"), "--resume-at", "2", "--nproc", "2",
+                 "--out", str(tmp_path / "out"), "--reference", str(runs["seed"]), "--", *MAMBA])
+    err = capsys.readouterr().err
+    assert rc == 2 and "the reference was launched with another line" in err and "--seed 4321" in err, err
+    rc = bitdet(["verify-resume", "--megatron-lm", script("pretrain_gpt.py"), "--resume-at", "2", "--nproc", "2",
+                 "--out", str(tmp_path / "out"), "--reference", str(runs["a"]), "--", *MAMBA])
+    assert rc == 2 and "pretrain_mamba.py, not " in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 # ---------------------------------------------------------------- tracing and localize on Megatron-LM runs
 PLANT = shlex.split(next(line for line in README if line.startswith("PLANT="))[len("PLANT="):].split("#")[0])[0].split()
 TRACE = next(line for line in README if "--trace " in line and "$PLANT" in line).split("$PLANT")[1].split()

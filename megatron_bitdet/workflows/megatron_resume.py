@@ -7,6 +7,7 @@ A skipped restore is Megatron-LM's own flag, passed to every resumed segment (``
 """
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 from megatron_bitdet.workflows.resume import ResumeReport, check_resume_at, run_chain
@@ -36,9 +37,28 @@ def skipped_restore_flags(skip_restore) -> list[str]:
     return [SKIPPABLE[s] for s in skip_restore]
 
 
-def _check_reference(reference: Path, steps: list[int], nproc: int) -> None:
+def _check_reference(reference: Path, script: str, megatron_args: list, steps: list[int], nproc: int) -> None:
+    """A reused reference must be this launch line's uninterrupted run (its output flags aside), on as
+    many ranks, with a snapshot for every resume point: else every segment would read as broken."""
+    from megatron_bitdet.megatron_lm.launch import rerun_args
+    from megatron_bitdet.rundir import manifest_path
     from megatron_bitdet.train.snapshot import check_snapshots
+    from megatron_bitdet.workflows.relaunch import relaunch_spec
 
+    spec = relaunch_spec(reference)
+    where = manifest_path(reference)
+    if not spec.megatron_lm:
+        raise BitdetInputError(f"{where}: the reference is a bitdet train run, not a Megatron-LM launch")
+    if os.path.abspath(spec.script) != os.path.abspath(script):
+        raise BitdetInputError(f"{where}: the reference ran {spec.script}, not {os.path.abspath(script)}")
+    ref, ours = rerun_args(list(spec.megatron_args)), rerun_args(list(megatron_args))
+    if ref != ours:
+        i = next((i for i, (a, b) in enumerate(zip(ref, ours)) if a != b), min(len(ref), len(ours)))
+        raise BitdetInputError(f"{where}: the reference was launched with another line (output flags aside): from "
+                               f"argument {i + 1} it reads {' '.join(ref[i:i + 3]) or '(end)'} where this one reads "
+                               f"{' '.join(ours[i:i + 3]) or '(end)'}")
+    if spec.nproc != nproc:
+        raise BitdetInputError(f"{where}: the reference ran on {spec.nproc} ranks, not --nproc {nproc}")
     check_snapshots(reference, steps, nproc, f"make the reference with --snapshot-at {','.join(map(str, steps))}")
 
 
@@ -58,7 +78,7 @@ def verify_megatron_resume(script: str, megatron_args: list, resume_at, *, nproc
                        run_dir=reference, what="reference run")
     else:
         reference = Path(reference_dir)
-        _check_reference(reference, steps, nproc)
+        _check_reference(reference, script, megatron_args, steps, nproc)
 
     def segment(run_dir: Path, start: int, stop: int, load_from: Path | None) -> None:
         fresh(run_dir)  # fingerprints append: a stale segment would mix in
