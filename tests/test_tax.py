@@ -74,3 +74,17 @@ def test_bad_input_is_refused_before_any_launch(tmp_path):
         measure_tax(load_recipe(RECIPE, ["determinism.mode=false"]), nproc=2, out_dir=tmp_path)
     assert main(["tax", "--recipe", RECIPE, "--rounds", "1", "--out", str(tmp_path)]) == 2
     assert main(["tax", "--recipe", RECIPE, "--nproc", "3", "--out", str(tmp_path)]) == 2
+
+
+def test_a_rank_that_refuses_its_input_exits_2_not_measurement_failed(tmp_path, monkeypatch):
+    """A refusal that only a rank can make (here a model provider that raises BitdetInputError while
+    building) exits 2, as every other launch does; it read as exit 1, 'tax measurement failed'."""
+    recipe = load_recipe(RECIPE)
+    (tmp_path / "refusing_provider.py").write_text(
+        "from megatron_bitdet.errors import BitdetInputError\n\n\n"
+        "def provider(recipe, config, **kwargs):\n"
+        "    raise BitdetInputError('refusing_provider: this model cannot be built here')\n")
+    monkeypatch.chdir(tmp_path)  # the ranks import the provider from their working directory
+    with pytest.raises(BitdetInputError, match=r"tax measurement failed \(exit 2\)"):
+        measure_tax(recipe, nproc=2, rounds=2, warmup=0, profile_steps=1, out_dir=tmp_path / "out",
+                    model_provider="refusing_provider:provider")

@@ -170,8 +170,9 @@ def run_sides(recipe, sides: list, *, nproc: int, config: "TaxConfig", out_dir, 
                                 "warmup": config.warmup, "profile_steps": config.profile_steps, "out_path": str(raw),
                                 "model_provider": model_provider},
                 run_dir=out_dir, env={**child_env(recipe), **QUIET_PROFILER}, console_rank=-1)
-    if rc != 0 or not raw.exists():
-        raise BitdetError(f"tax measurement failed (exit {rc}); rank logs: {logs_dir(out_dir)}")
+    if rc != 0 or not raw.exists():  # a rank that refused its input (exit 2) makes the measurement's exit 2
+        raise (BitdetInputError if rc == 2 else BitdetError)(
+            f"tax measurement failed (exit {rc}); rank logs: {logs_dir(out_dir)}")
     data = json.loads(raw.read_text())
     t = recipe.training
     tokens = t.global_batch_size * recipe.model.seq_length
