@@ -6,6 +6,7 @@ examples/planted_nondeterminism.py — and pass on every kernel the patch declar
 from __future__ import annotations
 
 import importlib
+import os
 from pathlib import Path
 
 import pytest
@@ -243,6 +244,10 @@ def test_module_check_passes_on_the_swapped_moe_kernels_under_two_layouts(bitdet
     assert {"output[0]", "output[1]", "output[2]", "grad of input[0]", "grad of input[1]",
             "grad of parameter norm.weight"} <= set(report.tensors)
     assert any("mlp.local_experts" in t for t in report.tensors)
+    # 2 ranks x 2 threads: on fewer than 4 cores the pass says what it could not show
+    oversubscribed = 4 > len(os.sched_getaffinity(0))
+    assert bool(report.notes) == oversubscribed
+    assert ("; note: 2 ranks x 2 threads ran on" in str(report)) == oversubscribed
 
 
 def test_module_check_refuses_unimportable_builders_and_bad_layouts(bitdet_module_check):

@@ -46,11 +46,12 @@ class CheckReport:
     settings: List[str]  # one per compared configuration, e.g. "threads=2" or "layout tp2, rank 1, threads=1"
     tensors: List[str] = field(default_factory=list)
     elements: int = 0
+    notes: List[str] = field(default_factory=list)  # what limits what the pass shows (oversubscribed cores)
 
     def __str__(self) -> str:
         return (f"{self.subject}: bitwise repeatable — {self.repeats} repeats x {len(self.settings)} "
                 f"configuration(s) ({'; '.join(self.settings)}), {len(self.tensors)} tensors, "
-                f"{self.elements} elements compared")
+                f"{self.elements} elements compared" + "".join(f"; note: {n}" for n in self.notes))
 
 
 def named_tensors(obj, name: str) -> Dict[str, Any]:

@@ -4,6 +4,7 @@ outputs and gradients byte for byte across repeats on every rank."""
 from __future__ import annotations
 
 import json
+import os
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -126,7 +127,13 @@ def _verdict(subject, repeats, world, rc, results, out, deterministic) -> CheckR
         raise NondeterminismError("\n".join(lines), failures)
     first = results[0]
     settings = [s for res in results.values() for s in res["settings"]]
-    return CheckReport(subject, repeats, settings, first["tensors"], sum(r["elements"] for r in results.values()))
+    threads = max(res.get("max_threads", 1) for res in results.values())
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    notes = [f"{world} ranks x {threads} threads ran on {cores} core(s): threads that never overlap hide a source "
+             "bound to thread timing (atomic-style adds), so these repeats may not show one; check on idle cores "
+             "with more repeats"] if threads > 1 and world * threads > cores else []
+    return CheckReport(subject, repeats, settings, first["tensors"], sum(r["elements"] for r in results.values()),
+                       notes)
 
 
 def module_rank(rank: int, world: int, *, builder, layouts, repeats, seed, threads, backward,
@@ -157,6 +164,7 @@ def module_rank(rank: int, world: int, *, builder, layouts, repeats, seed, threa
                 expert_tensor_parallel_size=layout.expert_tensor)
             for count in threads or [torch.get_num_threads()]:
                 torch.set_num_threads(count)
+                result["max_threads"] = max(result.get("max_threads", 1), count)
                 set_seeds(seed)
                 rng, runs = RngState(), []
                 for _ in range(repeats):
