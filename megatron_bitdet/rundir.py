@@ -105,3 +105,18 @@ def read_result(path, what: str, required=()) -> dict | None:
     if not isinstance(data, dict) or missing:
         raise BitdetInputError(f"{path}: not a {what}" + (f" (no {missing[0]!r})" if missing else ""))
     return data
+
+
+def load_tensors(path, what: str, *, map_location="cpu", mmap: bool = False):
+    """A ``torch.save`` file bitdet wrote (snapshot, capture), read as untrusted input: ``weights_only``,
+    and any byte sequence that is not one a BitdetInputError naming the file and ``what`` it should be.
+    ``mmap``: map the tensors' bytes instead of reading them (a check that only needs the structure)."""
+    import torch
+
+    try:
+        return torch.load(path, weights_only=True, map_location=map_location, mmap=mmap)
+    except FileNotFoundError:
+        raise BitdetInputError(f"{path}: {what} missing") from None
+    except Exception as exc:  # any byte sequence: pickle, zip and torch errors alike
+        first = (str(exc).strip().splitlines() or [""])[0]
+        raise BitdetInputError(f"{path}: not a readable {what} ({type(exc).__name__}: {first[:200]})") from None

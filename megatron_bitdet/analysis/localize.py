@@ -105,10 +105,15 @@ def _find_producer(history: deque, fp: str) -> dict | None:
     return None
 
 
-def _fill(f: RankFinding, a: dict, b: dict, line: int) -> None:
+def _place(f: RankFinding, rec: dict, line: int) -> None:
+    """The finding's event: where ``rec`` (at ``line`` of its trace) ran."""
     f.step, f.phase, f.event_id, f.op, f.module, f.kind = (
-        b["step"], b["phase"], event_id(b), b["name"], b["scope"], b.get("k"))
+        rec["step"], rec["phase"], event_id(rec), rec["name"], rec["scope"], rec.get("k"))
     f.line = line
+
+
+def _fill(f: RankFinding, a: dict, b: dict, line: int) -> None:
+    _place(f, b, line)
     f.inputs = {"a": a.get("in", []), "b": b.get("in", [])}
     f.outputs = {"a": a.get("out", []), "b": b.get("out", [])}
 
@@ -272,10 +277,7 @@ def compare_rank(job: tuple) -> RankFinding:
                             f"event {f.events} were not compared")
     if (rest_a or rest_b) and not f.warnings:
         longer, (line, raw) = (ta, rest_a) if rest_a else (tb, rest_b)
-        extra = parse_record(longer.path, line, raw)  # named as the culprit: the ladder narrows to its step
-        f.step, f.phase, f.event_id, f.op, f.module, f.kind = (
-            extra["step"], extra["phase"], event_id(extra), extra["name"], extra["scope"], extra.get("k"))
-        f.line = line
+        _place(f, parse_record(longer.path, line, raw), line)  # the culprit: the ladder narrows to its step
         f.classification = CONTROL
         f.detail = f"{longer.path} has more events after event {f.events}, the first {f.event_id}"
     elif not f.events and not f.incomplete:

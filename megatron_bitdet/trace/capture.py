@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from megatron_bitdet.errors import BitdetInputError
-from megatron_bitdet.rundir import capture_path
+from megatron_bitdet.rundir import capture_path, load_tensors
 
 FORMAT = "bitdet-capture"
 VERSION = 1
@@ -162,11 +162,7 @@ def load_capture(path) -> dict:
     path = Path(path)
     if not path.is_file():
         raise BitdetInputError(f"{path}: capture file missing")
-    try:
-        rec = torch.load(path, weights_only=True, map_location="cpu" if not torch.cuda.is_available() else None)
-    except Exception as exc:  # any byte sequence: pickle, zip and torch errors alike
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise BitdetInputError(f"{path}: not a readable capture ({type(exc).__name__}: {first[:200]})") from None
+    rec = load_tensors(path, "capture", map_location="cpu" if not torch.cuda.is_available() else None)
     if not isinstance(rec, dict) or rec.get("format") != FORMAT:
         raise BitdetInputError(f"{path}: foreign file (no '{FORMAT}' record)")
     if rec.get("v") != VERSION:

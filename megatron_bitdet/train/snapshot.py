@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from megatron_bitdet.errors import BitdetInputError
-from megatron_bitdet.rundir import snapshot_path
+from megatron_bitdet.rundir import load_tensors, snapshot_path
 from megatron_bitdet.train import precision
 from megatron_bitdet.train.checkpoint import capture_rng
 from megatron_bitdet.train.module_state import capture_module_rng, module_buffers
@@ -91,16 +91,9 @@ def inject_restore_faults(faults, *, ddp_modules, optimizer, scheduler_state_bef
         data.load_state_dict(data_state_before)
 
 
-def read_snapshot(path) -> dict:
+def read_snapshot(path, *, mmap: bool = False) -> dict:
     """A live-state snapshot as saved; BitdetInputError naming the file otherwise."""
-    path = Path(path)
-    try:
-        state = torch.load(path, weights_only=True, map_location="cpu")
-    except FileNotFoundError:
-        raise BitdetInputError(f"{path}: live-state snapshot missing") from None
-    except Exception as exc:  # any byte sequence: pickle, zip and torch errors alike
-        first = (str(exc).strip().splitlines() or [""])[0]
-        raise BitdetInputError(f"{path}: not a readable live-state snapshot ({type(exc).__name__}: {first[:200]})") from None
+    state = load_tensors(path, "live-state snapshot", mmap=mmap)
     if not isinstance(state, dict) or type(state.get("step")) is not int or type(state.get("rank")) is not int:
         raise BitdetInputError(f"{path}: not a live-state snapshot (expected a mapping with 'step' and 'rank')")
     return state
@@ -115,6 +108,6 @@ def check_snapshots(run_dir, steps, nproc: int, how: str) -> None:
             if not path.is_file():
                 raise BitdetInputError(f"{run_dir}: no live-state snapshot for iteration {k} rank {rank} ({path}); "
                                        f"{how}")
-            state = read_snapshot(path)
+            state = read_snapshot(path, mmap=True)  # the structure only: compare_snapshots reads the bytes
             if (state["step"], state["rank"]) != (k, rank):
                 raise BitdetInputError(f"{path}: the snapshot is of step {state['step']} rank {state['rank']}")
