@@ -19,6 +19,7 @@ logic, records and scopes kept in C++); these Python hooks run everywhere else, 
 from __future__ import annotations
 
 from contextlib import contextmanager
+from functools import partial
 
 import torch
 from torch.utils.hooks import RemovableHandle
@@ -54,35 +55,38 @@ def _fast_path(mod) -> bool:
                 or _M._global_forward_pre_hooks or getattr(mod, "_compiled_call_impl", None) is not None)
 
 
-def _wrap_forward(mod, pre, post) -> _Forward:
+def _wrap_forward(mod, pre, post, native=None) -> _Forward:
     """``pre`` and ``post`` around ``mod.forward``, as an instance attribute: nn.Module keeps its fast
     path, where registered hooks would send every call through its slow one (a closure, a set and the
     hook loops per call: most of what module hooks cost in a step). Only for a module on the fast path:
     they then run where the hooks would, after any pre-hook and before any forward hook (there are
-    none), ``post`` also when forward raises (``always_call``)."""
+    none), ``post`` also when forward raises (``always_call``). ``native``: a function of the shadowed
+    forward making the same wrapper in C++ (the native tracer's, module index bound), used instead."""
     shadowed = mod.__dict__.get("forward", _SHADOWS_NOTHING)
     orig = mod.forward
-
-    def forward(*args, **kwargs):
-        pre(mod, args, kwargs)
-        out = None
-        try:
-            out = orig(*args, **kwargs)
-        finally:
-            post(mod, args, out)
-        return out
+    if native is not None:
+        forward = native(orig)
+    else:
+        def forward(*args, **kwargs):
+            pre(mod, args, kwargs)
+            out = None
+            try:
+                out = orig(*args, **kwargs)
+            finally:
+                post(mod, args, out)
+            return out
     mod.__dict__["forward"] = forward
     return _Forward(forward, shadowed)
 
 
-def _add_hooks(mod, pre, post):
+def _add_hooks(mod, pre, post, native=None):
     """``pre`` as ``register_forward_pre_hook(pre, with_kwargs=True)`` and ``post`` as
     ``register_forward_hook(post, always_call=True)``, returning what ``_remove_hooks`` takes: on a
-    module on nn.Module's fast path a forward wrapper (``_wrap_forward``); else the same dict entries
-    under ids from the same counter, without the two RemovableHandles (which made up most of
-    installing every module's hooks for each traced step)."""
+    module on nn.Module's fast path a forward wrapper (``_wrap_forward``, ``native`` passed on); else
+    the same dict entries under ids from the same counter, without the two RemovableHandles (which
+    made up most of installing every module's hooks for each traced step)."""
     if _fast_path(mod):
-        return _wrap_forward(mod, pre, post)
+        return _wrap_forward(mod, pre, post, native)
     if not _DIRECT:
         return (mod.register_forward_pre_hook(pre, with_kwargs=True), mod.register_forward_hook(post, always_call=True))
     i = RemovableHandle.next_id
@@ -231,7 +235,7 @@ class _ModuleHooks:
                     tr.record("module", "backward", self.grad_out.pop(name, []), [fp], phase="backward", scope=name)
 
 
-_NATIVE_HOOKS: list = []  # (pre, post) of module index i: the native functions depend only on i
+_NATIVE_HOOKS: list = []  # (pre, post, forward wrapper maker) of module index i: they depend only on i
 _NATIVE_NAMES: list = [None]  # the module names the native tracer holds (it keeps them across steps)
 
 
@@ -252,8 +256,9 @@ class _NativeModuleHooks:
             mod.hooks_begin(names, [json_str(n) for n in names], self.record, trace_tensors,
                             torch.utils._pytree.SUPPORTED_NODES, torch.Tensor)
             _NATIVE_NAMES[0] = names
-        _NATIVE_HOOKS.extend((mod.pre_hook(i), mod.post_hook(i)) for i in range(len(_NATIVE_HOOKS), len(names)))
-        self.handles = [(m, _add_hooks(m, pre, post)) for (_, m), (pre, post) in zip(tr.modules, _NATIVE_HOOKS)]
+        _NATIVE_HOOKS.extend((mod.pre_hook(i), mod.post_hook(i), partial(mod.forward_wrapper, i))
+                             for i in range(len(_NATIVE_HOOKS), len(names)))
+        self.handles = [(m, _add_hooks(m, *h)) for (_, m), h in zip(tr.modules, _NATIVE_HOOKS)]
 
     def remove(self) -> None:
         for mod, added in self.handles:

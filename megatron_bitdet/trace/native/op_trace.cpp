@@ -28,8 +28,7 @@
 
 #include <algorithm>
 #include <array>
-#include <cinttypes>
-#include <cstdio>
+#include <charconv>
 #include <map>
 #include <mutex>
 #include <optional>
@@ -161,14 +160,20 @@ void flat(const c10::IValue& v, std::vector<at::Tensor>& out) {
   }
 }
 
+// "dtype[shape]:", with room for the layout tag and hex the digest appends (every record's every
+// tensor passes here: no temporary strings)
 std::string prefix(const at::Tensor& t) {
-  std::string p = S().dtypes[static_cast<size_t>(t.scalar_type())];
-  TORCH_CHECK(!p.empty(), "bitdet native op tracer: no name registered for dtype ", t.scalar_type());
+  const std::string& name = S().dtypes[static_cast<size_t>(t.scalar_type())];
+  TORCH_CHECK(!name.empty(), "bitdet native op tracer: no name registered for dtype ", t.scalar_type());
+  std::string p;
+  p.reserve(name.size() + 24 + 12 * t.dim());
+  p += name;
   p += '[';
+  char buf[24];
   bool first = true;
   for (int64_t d : t.sizes()) {
     if (!first) p += ',';
-    p += std::to_string(d);
+    p.append(buf, std::to_chars(buf, buf + sizeof buf, d).ptr);
     first = false;
   }
   p += "]:";
@@ -210,10 +215,12 @@ std::optional<std::string> span_tag(const at::Tensor& t) {
   return it->second;
 }
 
-std::string hex(uint64_t h) {
-  char buf[17];
-  std::snprintf(buf, sizeof buf, "%016" PRIx64, h);
-  return std::string(buf, 16);
+// h as 16 lowercase hex digits appended to `out` ("%016x", without printf's format parsing)
+void append_hex(std::string& out, uint64_t h) {
+  static constexpr char kDigits[] = "0123456789abcdef";
+  char buf[16];
+  for (int i = 15; i >= 0; --i, h >>= 4) buf[i] = kDigits[h & 15];
+  out.append(buf, 16);
 }
 
 // digest.fast for a CPU tensor
@@ -222,7 +229,11 @@ std::string digest(const at::Tensor& t0) {
   size_t n = t0.nbytes();
   if (!n) return p + "empty";
   TORCH_CHECK(t0.is_cpu(), "bitdet native op tracer: tensor on ", t0.device(), " (CPU only)");
-  if (auto tag = span_tag(t0)) return p + *tag + hex(S().xxh3(t0.const_data_ptr(), n));
+  if (auto tag = span_tag(t0)) {
+    p += *tag;
+    append_hex(p, S().xxh3(t0.const_data_ptr(), n));
+    return p;
+  }
   at::Tensor t = t0;
   if (t.is_conj() || t.is_neg()) t = t.resolve_conj().resolve_neg();
   std::string layout;
@@ -235,7 +246,9 @@ std::string digest(const at::Tensor& t0) {
     layout = permuted_tag(t.sizes(), t.strides());
     if (layout.empty()) t = t.contiguous();
   }
-  return p + layout + hex(S().xxh3(t.const_data_ptr(), t.numel() * t.element_size()));
+  p += layout;
+  append_hex(p, S().xxh3(t.const_data_ptr(), t.numel() * t.element_size()));
+  return p;
 }
 
 // ops.py _same_span: a view over exactly an input's hashed span reuses that input's hex
@@ -658,6 +671,79 @@ void on_post(size_t module, py::handle output) {
   if (!tensors.empty() && c10::GradMode::is_enabled()) attach(tensors, true, module, "", "\"\"");
 }
 
+// A module's forward with its hooks around it, as hooks._wrap_forward's closure runs them (pre, the
+// forward, post also when the forward raises), without a Python frame and two pybind calls per
+// module call: the per-call cost of the module level, paid by every module in every micro-batch.
+struct Forward {
+  PyObject_HEAD
+  size_t module;
+  PyObject* orig;  // the forward it shadows (a bound method: holds the module, a cycle the GC breaks)
+};
+
+// Runs `f` (a hook), turning what it throws into the pending Python exception; false if it threw.
+template <typename F>
+bool run_hook(F&& f) {
+  try {
+    f();
+    return true;
+  } catch (py::error_already_set& e) {
+    e.restore();
+  } catch (const std::exception& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+  }
+  return false;
+}
+
+PyObject* forward_call(PyObject* self, PyObject* args, PyObject* kwargs) {
+  auto* f = reinterpret_cast<Forward*>(self);
+  py::handle kw = kwargs ? py::handle(kwargs) : py::none();
+  if (!run_hook([&] { on_pre(f->module, args, kw); })) return nullptr;
+  PyObject* out = PyObject_Call(f->orig, args, kwargs);
+  PyObject *type = nullptr, *value = nullptr, *tb = nullptr;
+  if (!out) PyErr_Fetch(&type, &value, &tb);  // post runs with None, then the forward's error goes on
+  bool ok = run_hook([&] { on_post(f->module, out ? py::handle(out) : py::none()); });
+  if (!ok) {  // post's own error replaces the forward's (as an exception raised in a finally block)
+    Py_XDECREF(out), Py_XDECREF(type), Py_XDECREF(value), Py_XDECREF(tb);
+    return nullptr;
+  }
+  if (!out) PyErr_Restore(type, value, tb);
+  return out;
+}
+
+int forward_traverse(PyObject* self, visitproc visit, void* arg) {
+  Py_VISIT(reinterpret_cast<Forward*>(self)->orig);
+  return 0;
+}
+
+int forward_clear(PyObject* self) {
+  Py_CLEAR(reinterpret_cast<Forward*>(self)->orig);
+  return 0;
+}
+
+void forward_dealloc(PyObject* self) {
+  PyTypeObject* type = Py_TYPE(self);
+  PyObject_GC_UnTrack(self);
+  forward_clear(self);
+  type->tp_free(self);
+  Py_DECREF(type);  // a heap type's instances hold a reference to it
+}
+
+PyTypeObject* forward_type() {
+  static PyTypeObject* type = [] {
+    static PyType_Slot slots[] = {{Py_tp_call, reinterpret_cast<void*>(&forward_call)},
+                                  {Py_tp_traverse, reinterpret_cast<void*>(&forward_traverse)},
+                                  {Py_tp_clear, reinterpret_cast<void*>(&forward_clear)},
+                                  {Py_tp_dealloc, reinterpret_cast<void*>(&forward_dealloc)},
+                                  {0, nullptr}};
+    static PyType_Spec spec = {"bitdet_op_trace.Forward", sizeof(Forward), 0, Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+                               slots};
+    auto* t = reinterpret_cast<PyTypeObject*>(PyType_FromSpec(&spec));
+    if (!t) throw py::error_already_set();
+    return t;
+  }();
+  return type;
+}
+
 }  // namespace
 
 // The module hooks of one traced step: names / names_js per module index (Tracer.modules; None: those
@@ -710,6 +796,18 @@ py::cpp_function pre_hook(size_t i) {
 
 py::cpp_function post_hook(size_t i) {
   return py::cpp_function([i](py::handle, py::handle, py::handle output) { on_post(i, output); });
+}
+
+// Module `i`'s forward wrapper around `orig` (hooks._NativeModuleHooks installs it as the
+// module's instance `forward`).
+py::object forward_wrapper(size_t i, py::object orig) {
+  PyTypeObject* type = forward_type();
+  auto* f = PyObject_GC_New(Forward, type);
+  if (!f) throw py::error_already_set();
+  f->module = i;
+  f->orig = orig.release().ptr();
+  PyObject_GC_Track(f);
+  return py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(f));
 }
 
 TORCH_LIBRARY_IMPL(_, Fake, m) { m.fallback(torch::CppFunction::makeFromBoxedFunction<&fallback>()); }
@@ -836,6 +934,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("hooks_end", &hooks_end);
   m.def("pre_hook", &pre_hook);
   m.def("post_hook", &post_hook);
+  m.def("forward_wrapper", &forward_wrapper);
   m.def("arm", &arm);
   m.def("ptrs_add", &ptrs_add);
   m.def("ptrs_discard", &ptrs_discard);
