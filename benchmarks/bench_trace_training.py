@@ -15,7 +15,9 @@ and their OpenMP threads share the cores): the paired median of 12 rounds moves 
 of 100 (the default) still by ±5%. So each ratio comes with a 95% bootstrap interval, and a goal reads
 "ok" only when the whole interval meets it ("MISSED" when none of it does, else "inconclusive").
 CPU time (both ranks' processes, every thread) is printed beside wall time: on a shared machine it moves
-less with other load. The 1-minute load average is printed with the figures.
+less with other load; so is the main threads' CPU time (``time.thread_time``: the work the tracer adds to
+the thread that runs it, without the OpenMP workers' spinning), as extra milliseconds a step and rank.
+The 1-minute load average is printed with the figures.
 "Outside the window" (nothing installed) is checked by tests/test_trace_training.py, not timed here.
 
     .venv/bin/python benchmarks/bench_trace_training.py [--rounds 100] [--warmup 3] [--profile [LEVEL]] [--shape large]
@@ -132,25 +134,27 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
     writer = StepFingerprintWriter(tmp / "run", rank)  # one for the run, as in training (fsync'd once, at close)
     times = {c: [] for c in CONFIGS}
     cpu = {c: [] for c in CONFIGS}
+    main = {c: [] for c in CONFIGS}
     step = 0
 
     def one(config):
         nonlocal step
         gc.collect()  # untimed: no step inherits the previous one's garbage
         torch.distributed.barrier()
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
         train_steps(state, data, run_dir=tmp / "run", start=step, stop=step + 1, save_root=None, save_interval=0,
                     manifest={}, console=console, tracer=tracers[config], writer=writer)
         step += 1
-        return time.perf_counter() - t0, time.process_time() - c0
+        return time.perf_counter() - t0, time.process_time() - c0, time.thread_time() - m0
 
     order = random.Random(0)
     for r in range(warmup + rounds):
         for config in order.sample(CONFIGS, len(CONFIGS)):
-            s, c = one(config)
+            s, c, m = one(config)
             if r >= warmup:
                 times[config].append(s)
                 cpu[config].append(c)
+                main[config].append(m)
     if profile:
         import cProfile
         import io
@@ -169,7 +173,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
         if tr is not None:
             tr.close()
     gathered = [None] * world_size
-    torch.distributed.all_gather_object(gathered, {"wall": times, "cpu": cpu})
+    torch.distributed.all_gather_object(gathered, {"wall": times, "cpu": cpu, "main": main})
     if rank == 0:
         Path(out).write_text(json.dumps({"times": gathered, "op_trace": trace_volume(tmp / "op", rank)}))
     torch.distributed.barrier()
@@ -194,7 +198,8 @@ worker.before_process_group = _enforce
 
 
 def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: str | None = None) -> dict:
-    """Per-round step ms of each configuration (slowest rank), from one launch of ``nproc`` ranks."""
+    """Per-round step ms of each configuration (slowest rank), both ranks' CPU ms and each rank's main-thread
+    CPU ms, from one launch of ``nproc`` ranks."""
     from megatron_bitdet.train.run import child_env
     from megatron_bitdet.train.launch import launch
 
@@ -210,7 +215,8 @@ def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: str | None
     ranks = [r["wall"] for r in data["times"]]
     per_round = {c: [max(r[c][i] for r in ranks) * 1000 for i in range(rounds)] for c in CONFIGS}
     cpu = {c: [sum(r["cpu"][c][i] for r in data["times"]) * 1000 for i in range(rounds)] for c in CONFIGS}
-    return per_round, cpu, data["op_trace"]
+    main = [{c: [x * 1000 for x in r["main"][c]] for c in CONFIGS} for r in data["times"]]
+    return per_round, cpu, main, data["op_trace"]
 
 
 def _ratios(per_round: dict, config: str) -> list[float]:
@@ -260,7 +266,7 @@ def main() -> None:
         ap.error("--rounds must be at least 2 (a spread needs two rounds)")
     recipe = load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml", SHAPES[args.shape])
     load0 = os.getloadavg()[0]
-    per_round, cpu, volume = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup, profile=args.profile)
+    per_round, cpu, main_cpu, volume = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup, profile=args.profile)
     costs = digest_costs()
     load1 = os.getloadavg()[0]
     m = recipe.model
@@ -277,6 +283,11 @@ def main() -> None:
     print(f"CPU time per step, both ranks' processes together (less sensitive to other load than wall time):")
     for c in CONFIGS:
         print(f"  {c:<10} {statistics.median(cpu[c]):8.1f} ms {paired_ratio(cpu, c):12.2f}x")
+    print("main-thread CPU per step and rank (the tracer's own work; paired extra over the untraced step):")
+    for c in CONFIGS:
+        extras = [statistics.median(x - b for x, b in zip(r[c], r["untraced"])) for r in main_cpu]
+        print(f"  {c:<10} " + "  ".join(f"rank {i}: {statistics.median(r[c]):6.1f} ms ({e:+.2f} ms, "
+                                        f"{paired_ratio(r, c):.3f}x)" for i, (r, e) in enumerate(zip(main_cpu, extras))))
     ops, mib = volume["records_per_step"], volume["bytes_per_step"] / 2**20
     extra = statistics.median(o - b for o, b in zip(per_round["op"], per_round["untraced"]))
     print(f"op trace, rank 0: {ops:.0f} records and {mib:.1f} MiB of tensors digested per step; "
