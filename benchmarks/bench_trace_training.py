@@ -38,6 +38,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("untraced", "semantic", "module", "op")
@@ -197,9 +198,17 @@ _ENFORCED: dict = {}
 worker.before_process_group = _enforce
 
 
-def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: str | None = None) -> dict:
-    """Per-round step ms of each configuration (slowest rank), both ranks' CPU ms and each rank's main-thread
-    CPU ms, from one launch of ``nproc`` ranks."""
+class Measured(NamedTuple):
+    """One launch's figures, each a list per configuration over rounds."""
+
+    wall: dict          # step ms, the slowest rank's
+    cpu: dict           # CPU ms, every rank's process together
+    main: list          # per rank: its main thread's CPU ms
+    op_trace: dict      # trace_volume of rank 0's op trace
+
+
+def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: str | None = None) -> Measured:
+    """Each configuration's figures per round, from one launch of ``nproc`` ranks."""
     from megatron_bitdet.train.run import child_env
     from megatron_bitdet.train.launch import launch
 
@@ -216,7 +225,7 @@ def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: str | None
     per_round = {c: [max(r[c][i] for r in ranks) * 1000 for i in range(rounds)] for c in CONFIGS}
     cpu = {c: [sum(r["cpu"][c][i] for r in data["times"]) * 1000 for i in range(rounds)] for c in CONFIGS}
     main = [{c: [x * 1000 for x in r["main"][c]] for c in CONFIGS} for r in data["times"]]
-    return per_round, cpu, main, data["op_trace"]
+    return Measured(per_round, cpu, main, data["op_trace"])
 
 
 def _ratios(per_round: dict, config: str) -> list[float]:

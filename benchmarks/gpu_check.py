@@ -237,7 +237,7 @@ def training_rows(env: Env) -> list:
     tax = measure_tax(recipe, nproc=1, rounds=tax_rounds, warmup=warmup)
     rows.append(("default recipe (EP1)", "tax", f"{tax.paired_tax_percent:+.1f}% paired ({tax.baseline.name})",
                  f"{tax.deterministic.median_ms:.2f}", f"{tax.deterministic.median_ms / tax.baseline.median_ms:.2f}x"))
-    per_round, _cpu, _volume = measure(recipe, nproc=1, rounds=trace_rounds, warmup=warmup)
+    per_round = measure(recipe, nproc=1, rounds=trace_rounds, warmup=warmup).wall
     base = statistics.median(per_round["untraced"])
     for level in ("module", "op"):
         rows.append(("default recipe (EP1)", f"{level} tracing", f"paired median of {trace_rounds} rounds",
