@@ -135,7 +135,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
     writer = StepFingerprintWriter(tmp / "run", rank)  # one for the run, as in training (fsync'd once, at close)
     times = {c: [] for c in CONFIGS}
     cpu = {c: [] for c in CONFIGS}
-    main = {c: [] for c in CONFIGS}
+    main_cpu = {c: [] for c in CONFIGS}
     step = 0
 
     def one(config):
@@ -155,7 +155,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
             if r >= warmup:
                 times[config].append(s)
                 cpu[config].append(c)
-                main[config].append(m)
+                main_cpu[config].append(m)
     if profile:
         import cProfile
         import io
@@ -174,7 +174,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
         if tr is not None:
             tr.close()
     gathered = [None] * world_size
-    torch.distributed.all_gather_object(gathered, {"wall": times, "cpu": cpu, "main": main})
+    torch.distributed.all_gather_object(gathered, {"wall": times, "cpu": cpu, "main": main_cpu})
     if rank == 0:
         Path(out).write_text(json.dumps({"times": gathered, "op_trace": trace_volume(tmp / "op", rank)}))
     torch.distributed.barrier()
@@ -224,8 +224,8 @@ def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: str | None
     ranks = [r["wall"] for r in data["times"]]
     per_round = {c: [max(r[c][i] for r in ranks) * 1000 for i in range(rounds)] for c in CONFIGS}
     cpu = {c: [sum(r["cpu"][c][i] for r in data["times"]) * 1000 for i in range(rounds)] for c in CONFIGS}
-    main = [{c: [x * 1000 for x in r["main"][c]] for c in CONFIGS} for r in data["times"]]
-    return Measured(per_round, cpu, main, data["op_trace"])
+    main_cpu = [{c: [x * 1000 for x in r["main"][c]] for c in CONFIGS} for r in data["times"]]
+    return Measured(per_round, cpu, main_cpu, data["op_trace"])
 
 
 def _ratios(per_round: dict, config: str) -> list[float]:
@@ -275,7 +275,8 @@ def main() -> None:
         ap.error("--rounds must be at least 2 (a spread needs two rounds)")
     recipe = load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml", SHAPES[args.shape])
     load0 = os.getloadavg()[0]
-    per_round, cpu, main_cpu, volume = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup, profile=args.profile)
+    per_round, cpu, main_cpu, volume = measure(recipe, nproc=2, rounds=args.rounds, warmup=args.warmup,
+                                               profile=args.profile)
     costs = digest_costs()
     load1 = os.getloadavg()[0]
     m = recipe.model
@@ -296,7 +297,8 @@ def main() -> None:
     for c in CONFIGS:
         extras = [statistics.median(x - b for x, b in zip(r[c], r["untraced"])) for r in main_cpu]
         print(f"  {c:<10} " + "  ".join(f"rank {i}: {statistics.median(r[c]):6.1f} ms ({e:+.2f} ms, "
-                                        f"{paired_ratio(r, c):.3f}x)" for i, (r, e) in enumerate(zip(main_cpu, extras))))
+                                        f"{paired_ratio(r, c):.3f}x)"
+                                        for i, (r, e) in enumerate(zip(main_cpu, extras))))
     ops, mib = volume["records_per_step"], volume["bytes_per_step"] / 2**20
     extra = statistics.median(o - b for o, b in zip(per_round["op"], per_round["untraced"]))
     print(f"op trace, rank 0: {ops:.0f} records and {mib:.1f} MiB of tensors digested per step; "
