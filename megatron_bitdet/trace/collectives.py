@@ -39,7 +39,14 @@ SPECS = {
     "irecv": ((), ("tensor",)),
 }
 _ALWAYS_ASYNC = {"isend", "irecv"}
-_local = threading.local()
+_PEER_ARGS = ("group", "src", "dst", "group_src", "group_dst")
+
+
+class _Local(threading.local):
+    inside = False  # a wrapped collective runs on this thread: nested ones are part of its record
+
+
+_local = _Local()
 
 
 def _group_ranks(group) -> list[int]:
@@ -50,28 +57,15 @@ def _global(group, rank):
     return rank if group is None or group is dist.group.WORLD else dist.get_global_rank(group, rank)
 
 
-def _peer(a: dict) -> dict:
-    group = a.get("group")
+def _peer(group, src, dst, group_src, group_dst) -> dict:
+    """The peers of a call, from its ``_PEER_ARGS``."""
     peer = {"group": _group_ranks(group)}
-    for key in ("src", "dst"):
-        if a.get(key) is not None:
-            peer[key] = a[key]
-        elif a.get(f"group_{key}") is not None:
-            peer[key] = _global(group, a[f"group_{key}"])
+    for key, rank, group_rank in (("src", src, group_src), ("dst", dst, group_dst)):
+        if rank is not None:
+            peer[key] = rank
+        elif group_rank is not None:
+            peer[key] = _global(group, group_rank)
     return peer
-
-
-_PEER_ARGS = ("group", "src", "dst", "group_src", "group_dst")
-
-
-def _peer_extra(peers: dict, a: dict) -> str:
-    """The record's ``"peer":{...}`` field as JSON, made once per (group, src, dst) in a step: the
-    same collectives run with the same peers every micro-batch."""
-    key = (a["group"], a["src"], a["dst"], a["group_src"], a["group_dst"])  # _PEER_ARGS: bound for every call
-    js = peers.get(key)
-    if js is None:
-        js = peers[key] = extra_json({"peer": _peer(a)})
-    return js
 
 
 class TracedWork:
@@ -92,14 +86,18 @@ class TracedWork:
 
 
 def _run_inside(tracer, orig, args, kwargs):
-    """Nested collectives and the ops they run internally are part of this record, not their own."""
+    """Nested collectives and the ops they run internally are part of this record, not their own (only
+    the op level traces ops: its tracer goes quiet)."""
     _local.inside = True
-    tracer.quiet += 1
+    quiet = tracer.op_tracer is not None
+    if quiet:
+        tracer.quiet += 1
     try:
         return orig(*args, **kwargs)
     finally:
         _local.inside = False
-        tracer.quiet -= 1
+        if quiet:
+            tracer.quiet -= 1
 
 
 def _completion(tracer, name, out_tensors, fields: str, where):
@@ -119,7 +117,7 @@ def _completion(tracer, name, out_tensors, fields: str, where):
 
 @functools.lru_cache(maxsize=None)
 def _binder(fn, wanted: tuple):
-    """``args, kwargs -> {name: value}`` of the parameters ``wanted`` (None for those ``fn`` lacks),
+    """``args, kwargs -> [value, ...]`` of the parameters ``wanted``, in order (None for those ``fn`` lacks),
     defaults applied, as ``signature.bind`` then ``apply_defaults`` give them (a collective's wrapper
     runs it per call; ``bind`` is the slow part): read from the argument positions, and ``bind``
     itself for anything but plain arguments (so a wrong call raises its TypeError)."""
@@ -137,7 +135,7 @@ def _binder(fn, wanted: tuple):
     def slow(args, kwargs):
         bound = sig.bind(*args, **kwargs)
         bound.apply_defaults()
-        return {w: bound.arguments.get(w) for w in wanted}
+        return [bound.arguments.get(w) for w in wanted]
 
     def bind(args, kwargs):
         n = len(args)
@@ -145,13 +143,13 @@ def _binder(fn, wanted: tuple):
             return slow(args, kwargs)
         if kwargs and (not known.issuperset(kwargs) or any(k in kwargs for k in names[:n])):
             return slow(args, kwargs)
-        a = {}
-        for w, i, default in slots:
-            a[w] = args[i] if i < n else kwargs.get(w, default)
         for r in by_keyword[n]:
             if r not in kwargs:
                 return slow(args, kwargs)
-        return a
+        values = []
+        for w, i, default in slots:
+            values.append(args[i] if i < n else kwargs.get(w, default))
+        return values
     return bind
 
 
@@ -165,31 +163,43 @@ def _queue(group):
 
 
 def _wrap(tracer, name, orig, peers: dict, blocks: dict):
+    """The traced ``orig``. Per call it runs in the middle of a step, its code and data evicted from the
+    caches by the model's ops since the last collective: every Python call it makes costs several times
+    what it costs in a loop, so the usual call (synchronous, outside a coalescing block) records inline."""
     in_names, out_names = SPECS[name]
-    bind = _binder(orig, (*in_names, *out_names, *_PEER_ARGS, "async_op"))
+    # at most one argument holds inputs and one outputs; "" names none (bound as None)
+    bind = _binder(orig, (*(in_names or ("",)), *(out_names or ("",)), *_PEER_ARGS, "async_op"))
     always_async = name in _ALWAYS_ASYNC
+    recv = name == "recv"
+    local, fps, record, memory = _local, tracer.fps, tracer.record, tracer.tracks_memory
 
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
-        if getattr(_local, "inside", False) or not tracer.active:
+        if local.inside or not tracer.active:
             return orig(*args, **kwargs)
-        a = bind(args, kwargs)
+        x_in, x_out, group, src, dst, group_src, group_dst, async_op = bind(args, kwargs)
         phase, scope = tracer.current()
-        ins = tracer.fps(flat_tensors([a[n] for n in in_names], None))
-        queue = _queue(a["group"]) if blocks else None
+        ins = fps(flat_tensors((x_in,), None))
+        queue = _queue(group) if blocks else None
         queued = len(queue) if queue is not None else 0
         res = _run_inside(tracer, orig, args, kwargs)
-        if name == "recv" and isinstance(res, int):  # the sender, known once received
-            fields = extra_json({"peer": {**_peer(a), "src": res}})
+        key = (group, src, dst, group_src, group_dst)
+        if recv and isinstance(res, int):  # the sender, known once received
+            fields = extra_json({"peer": {**_peer(*key), "src": res}})
         else:
-            fields = _peer_extra(peers, a)
-        done = _completion(tracer, name, flat_tensors([a[n] for n in out_names], None), fields, (phase, scope, ins))
+            fields = peers.get(key)
+            if fields is None:  # made once per peers: the same collectives run every micro-batch
+                fields = peers[key] = extra_json({"peer": _peer(*key)})
+        outs = flat_tensors((x_out,), None)
         if queue is not None and len(queue) > queued and id(queue) in blocks:  # queued: runs at the block's end
-            blocks[id(queue)].append(done)
+            blocks[id(queue)].append(_completion(tracer, name, outs, fields, (phase, scope, ins)))
             return res
-        if res is not None and (a["async_op"] or always_async):
-            return TracedWork(res, done)
-        done()
+        if res is not None and (async_op or always_async):
+            return TracedWork(res, _completion(tracer, name, outs, fields, (phase, scope, ins)))
+        if memory:  # the outputs are written (what _completion's callback does, inline)
+            for t in outs:
+                tracer.landed(t.data_ptr())
+        record("coll", name, ins, fps(outs), phase=phase, scope=scope, fields=fields)
         return res
     return wrapper
 
@@ -198,7 +208,7 @@ def _wrap_batch(tracer, orig):
     """batch_isend_irecv: sends recorded at launch, receives once every returned Work has been waited."""
     @functools.wraps(orig)
     def wrapper(p2p_op_list):
-        if getattr(_local, "inside", False) or not tracer.active:
+        if _local.inside or not tracer.active:
             return orig(p2p_op_list)
         phase, scope = tracer.current()
         recvs = []
@@ -235,20 +245,20 @@ def _wrap_coalescing(tracer, orig, blocks: dict):
     @contextmanager
     @functools.wraps(orig)
     def wrapper(*args, **kwargs):
-        if getattr(_local, "inside", False) or not tracer.active:
+        if _local.inside or not tracer.active:
             with orig(*args, **kwargs) as cm:
                 yield cm
             return
         a = bind(args, kwargs)
         dones: list = []
         with orig(*args, **kwargs) as cm:
-            key = id(_queue(a["group"]))
+            key = id(_queue(a[0]))
             blocks[key] = dones
             try:
                 yield cm
             finally:
                 blocks.pop(key, None)
-        if not a["async_ops"]:
+        if not a[1]:
             for done in dones:
                 done()
             return
@@ -263,21 +273,35 @@ def _wrap_coalescing(tracer, orig, blocks: dict):
     return wrapper
 
 
+class Wrappers:
+    """A tracer's wrappers, made at its first traced step and kept (each step swaps them in and out):
+    ``(name, original) -> wrapper``, the same wrapper for the same original."""
+
+    def __init__(self, tracer):
+        self.tracer = tracer
+        self.peers: dict = {}   # _PEER_ARGS' values -> the "peer" field's JSON (_wrap)
+        self.blocks: dict = {}  # id(queue) -> completions, per open coalescing block (_wrap_coalescing)
+        self.made: dict = {}
+
+    def __call__(self, name, fn):
+        w = self.made.get((name, fn))
+        if w is None:
+            if name == "batch_isend_irecv":
+                w = _wrap_batch(self.tracer, fn)
+            elif name == "_coalescing_manager":
+                w = _wrap_coalescing(self.tracer, fn, self.blocks)
+            else:
+                w = _wrap(self.tracer, name, fn, self.peers, self.blocks)
+            self.made[(name, fn)] = w
+        return w
+
+
 @contextmanager
 def installed(tracer):
     if not dist.is_available():
         yield
         return
-
-    peers: dict = {}   # _peer_extra's, for this step
-    blocks: dict = {}  # id(queue) -> completions, per open coalescing block (_wrap_coalescing)
-
-    def wrap(name, fn):
-        if name == "batch_isend_irecv":
-            return _wrap_batch(tracer, fn)
-        if name == "_coalescing_manager":
-            return _wrap_coalescing(tracer, fn, blocks)
-        return _wrap(tracer, name, fn, peers, blocks)
-
-    with swap_collectives(wrap, (*SPECS, "batch_isend_irecv", "_coalescing_manager")):
+    if tracer.collectives is None:
+        tracer.collectives = Wrappers(tracer)
+    with swap_collectives(tracer.collectives, (*SPECS, "batch_isend_irecv", "_coalescing_manager")):
         yield

@@ -68,6 +68,7 @@ class Tracer:
         self._step = 0
         self._quiet = 0                     # >0 while the tracer itself runs torch ops (not traced)
         self._native = None                 # the native tracer while it runs a step (module and op levels)
+        self.collectives = None             # collectives.Wrappers, made at the first traced step
         self.inflight: dict[int, str] = {}  # data_ptr -> async collective whose output is not waited yet
         self.uninit: dict[int, None] = {}   # data_ptr of aten.empty* outputs not yet written
         # which tracer runs module hooks and ops ("native": C++ hooks and dispatcher fallback, or
@@ -233,7 +234,12 @@ class Tracer:
 
     def record(self, kind: str, name: str, ins: list, outs: list, phase: str | None = None,
                scope: str | None = None, fields: str = "", **extra) -> None:
-        """``fields``: the extra fields already as ``format.extra_json`` (instead of ``extra``)."""
+        """``fields``: the extra fields already as ``format.extra_json`` (instead of ``extra``).
+
+        Buffered as its finished line when every digest is a string: the buffer then holds no
+        containers, which would otherwise trigger ~20 young and ~2 middle garbage collections in an
+        op-traced step. Pending device digests keep the tuple until the flush resolves them. The
+        native tracer's records so far go first (one order for both)."""
         if phase and scope is not None:  # given both (backward and collective records): no lookup
             ph, sc = phase, scope
         else:
@@ -242,7 +248,15 @@ class Tracer:
         key = (ph, sc, name)
         n = self._counts.get(key, 0)
         self._counts[key] = n + 1
-        self._append((self._step, ph, sc, name, n, kind, ins, outs, fields or extra))
+        buf = self._buf
+        if self._native is not None:
+            buf.extend(self._native.take())
+        try:
+            buf.append(record_line(self._step, ph, sc, name, n, kind, ins, outs, fields or extra))
+        except TypeError:
+            buf.append((self._step, ph, sc, name, n, kind, ins, outs, fields or extra))
+        if len(buf) >= _FLUSH_EVERY:
+            self.flush()
 
     def record_op(self, name: str, ins: list, outs: list, flags: list | None) -> None:
         """``record("op", ...)`` for the dispatch mode: the same record, built as its line at once."""
@@ -261,20 +275,6 @@ class Tracer:
         except TypeError:  # a digest pending on a device: the flush resolves it
             buf.append((self._step, ph, sc, name, n, "op", ins, outs, {"flags": flags} if flags else _NO_EXTRA))
         if len(buf) >= _FLUSH_EVERY:
-            self.flush()
-
-    def _append(self, rec: tuple) -> None:
-        """Buffer a record as its finished line when every digest is a string: the buffer then holds
-        no containers, which would otherwise trigger ~20 young and ~2 middle garbage collections in an
-        op-traced step. Pending device digests keep the tuple until the flush resolves them. The
-        native op tracer's records so far go first (one order for both)."""
-        if self._native is not None:
-            self._buf.extend(self._native.take())
-        try:
-            self._buf.append(record_line(*rec))
-        except TypeError:
-            self._buf.append(rec)
-        if len(self._buf) >= _FLUSH_EVERY:
             self.flush()
 
     def event(self, name: str, tensors=None, *, inputs=None, phase: str | None = None,
