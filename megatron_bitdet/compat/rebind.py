@@ -11,15 +11,17 @@ import sys
 from contextlib import contextmanager
 
 
-_MODULES: list = [(), []]  # (sys.modules' keys when last scanned, the megatron.core modules then)
+_MODULES: list = [-1, []]  # (len(sys.modules) when last scanned, the megatron.core modules then)
 
 
 def megatron_modules() -> list:
-    """Every imported ``megatron.core`` module. The tracer asks once per traced step; the scan of
-    sys.modules is redone only when its keys changed (comparing the key tuples is C-speed)."""
-    keys = tuple(sys.modules)
-    if keys != _MODULES[0]:
-        _MODULES[:] = keys, [m for n, m in list(sys.modules.items()) if n.startswith("megatron.core") and m is not None]
+    """Every imported ``megatron.core`` module. The tracer asks once per traced step, in the middle of
+    training: the scan of sys.modules is redone only when its length changed (an import adds a key).
+    Comparing its keys instead cost ~0.3 ms a step there (every key touched, in cold memory); a module
+    replaced in place, or one imported while another is removed, is found at the next change."""
+    n = len(sys.modules)
+    if n != _MODULES[0]:
+        _MODULES[:] = n, [m for k, m in list(sys.modules.items()) if k.startswith("megatron.core") and m is not None]
     return list(_MODULES[1])
 
 

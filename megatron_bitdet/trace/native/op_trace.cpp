@@ -29,7 +29,6 @@
 #include <algorithm>
 #include <array>
 #include <charconv>
-#include <map>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -90,7 +89,6 @@ struct State {
   Xxh3 xxh3 = nullptr;
   std::array<std::string, static_cast<size_t>(c10::ScalarType::NumOptions)> dtypes;
   std::unordered_map<const c10::FunctionSchema*, OpInfo> infos;
-  std::map<std::pair<std::vector<int64_t>, std::vector<int64_t>>, std::string> layouts;
   bool active = false, ops = false;  // a traced step; its ops reach the fallback (level op)
   int64_t step = 0;
   std::string phase = "forward", phase_js = "\"forward\"";
@@ -182,7 +180,7 @@ std::string prefix(const at::Tensor& t) {
 
 // "s<strides>:" when the dims of size > 1, ordered by stride, tile memory without gaps; "" otherwise
 std::string permuted_tag(c10::IntArrayRef shape, c10::IntArrayRef stride) {
-  std::vector<std::pair<int64_t, int64_t>> dims;
+  c10::SmallVector<std::pair<int64_t, int64_t>, 8> dims;
   for (size_t i = 0; i < shape.size(); ++i)
     if (shape[i] != 1) dims.emplace_back(stride[i], shape[i]);
   std::sort(dims.begin(), dims.end());
@@ -192,27 +190,25 @@ std::string permuted_tag(c10::IntArrayRef shape, c10::IntArrayRef stride) {
     expected *= sz;
   }
   std::string tag = "s";
+  char buf[24];
   for (size_t i = 0; i < stride.size(); ++i) {
     if (i) tag += ',';
-    tag += std::to_string(stride[i]);
+    tag.append(buf, std::to_chars(buf, buf + sizeof buf, stride[i]).ptr);
   }
-  return tag + ":";
+  tag += ':';
+  return tag;
 }
 
 // digest.span_tag: the tag when the tensor's own memory span is hashed in memory order, else nullopt
+// (made each time: a sort of a few dims, cheaper than looking a layout up in a cache keyed by it)
 std::optional<std::string> span_tag(const at::Tensor& t) {
   if (!t.is_cpu() || t.is_conj() || t.is_neg()) return std::nullopt;
   if (t.is_contiguous()) return std::string();
-  auto key = std::make_pair(t.sizes().vec(), t.strides().vec());
-  auto& layouts = S().layouts;
-  auto it = layouts.find(key);
-  if (it == layouts.end()) {
-    if (layouts.size() > 65536) layouts.clear();
-    bool zero = std::find(key.second.begin(), key.second.end(), 0) != key.second.end();
-    it = layouts.emplace(key, zero ? std::string() : permuted_tag(t.sizes(), t.strides())).first;
-  }
-  if (it->second.empty()) return std::nullopt;
-  return it->second;
+  auto strides = t.strides();
+  if (std::find(strides.begin(), strides.end(), 0) != strides.end()) return std::nullopt;
+  std::string tag = permuted_tag(t.sizes(), strides);
+  if (tag.empty()) return std::nullopt;
+  return tag;
 }
 
 // h as 16 lowercase hex digits appended to `out` ("%016x", without printf's format parsing)
@@ -296,8 +292,15 @@ Where where(const State& s) {
   return {&s.phase, &s.phase_js, &s.scope, &s.scope_js};
 }
 
-std::string count_key(const std::string& phase_js, const std::string& scope_js, const std::string& name) {
-  return phase_js + '\x1f' + scope_js + '\x1f' + name;
+// The key of State::counts, built in a buffer kept per thread (a lookup allocates nothing; an insert copies it)
+const std::string& count_key(const std::string& phase_js, const std::string& scope_js, const std::string& name) {
+  static thread_local std::string key;
+  key.assign(phase_js);
+  key += '\x1f';
+  key += scope_js;
+  key += '\x1f';
+  key += name;
+  return key;
 }
 
 // format.record_line without extra fields but flags; names need no escaping (op names, "forward"...)
@@ -305,8 +308,22 @@ void write_record(State& s, const std::string& phase_js, const std::string& scop
                   const char* kind, const std::vector<std::string>& ins, const std::vector<std::string>& outs,
                   const std::vector<const char*>& flags = {}) {
   int64_t n = s.counts[count_key(phase_js, scope_js, name)]++;
-  std::string line = "{\"step\":" + std::to_string(s.step) + ",\"phase\":" + phase_js + ",\"scope\":" + scope_js +
-                     ",\"name\":\"" + name + "\",\"n\":" + std::to_string(n) + ",\"k\":\"" + kind + "\",\"in\":";
+  std::string line;
+  line.reserve(96 + phase_js.size() + scope_js.size() + name.size() + 48 * (ins.size() + outs.size()));
+  char buf[24];
+  line += "{\"step\":";
+  line.append(buf, std::to_chars(buf, buf + sizeof buf, s.step).ptr);
+  line += ",\"phase\":";
+  line += phase_js;
+  line += ",\"scope\":";
+  line += scope_js;
+  line += ",\"name\":\"";
+  line += name;
+  line += "\",\"n\":";
+  line.append(buf, std::to_chars(buf, buf + sizeof buf, n).ptr);
+  line += ",\"k\":\"";
+  line += kind;
+  line += "\",\"in\":";
   append_list(line, ins);
   line += ",\"out\":";
   append_list(line, outs);
