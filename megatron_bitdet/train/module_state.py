@@ -13,6 +13,7 @@ from megatron_bitdet.fingerprint.tensor import state_digest
 
 _NEITHER, _GENERATOR, _CONTAINER = 0, 1, 2
 _KINDS: dict[type, int] = {}
+_NEITHER_TYPES: set[type] = set()  # the types _kind found to be neither
 # what nn.Module.__init__ sets: parameters, buffers, submodules (each type-checked when registered),
 # hooks (callables) and flags; a generator a module holds is one of its other attributes
 _MODULE_OWN = frozenset(vars(torch.nn.Module()))
@@ -27,7 +28,31 @@ def _kind(value) -> int:
     if kind is None:
         kind = _KINDS[t] = (_GENERATOR if issubclass(t, torch.Generator)
                             else _CONTAINER if issubclass(t, (list, tuple, dict)) else _NEITHER)
+        if kind == _NEITHER:
+            _NEITHER_TYPES.add(t)
     return kind
+
+
+def walk(chunks) -> list[tuple[int, str, torch.nn.Module]]:
+    """(chunk index, module path, module) for every module, each chunk's ``named_modules()`` in order:
+    the one walk of the model that a step's digests share (``step_fingerprints.state_digests``; each
+    digest walking the modules itself made four walks a step)."""
+    return [(i, name, m) for i, chunk in enumerate(chunks) for name, m in chunk.named_modules()]
+
+
+def named_members(walked, members: str):
+    """(chunk index, qualified name, tensor) as each chunk's ``named_buffers()`` (``members`` "_buffers")
+    or ``named_parameters()`` ("_parameters") lists them — None skipped, a tensor reachable twice in a
+    chunk named once — read from a walk instead of walking again."""
+    chunk, seen = None, set()
+    for i, name, module in walked:
+        if i != chunk:
+            chunk, seen = i, set()
+        for key, t in getattr(module, members).items():
+            if t is None or id(t) in seen:
+                continue
+            seen.add(id(t))
+            yield i, f"{name}.{key}" if name else key, t
 
 
 def _held(container, depth: int = 0):
@@ -43,33 +68,37 @@ def _held(container, depth: int = 0):
             yield label + suffix, gen
 
 
-def module_generators(modules) -> dict[str, torch.Generator]:
+def module_generators(modules, walked=None) -> dict[str, torch.Generator]:
     """'<chunk>.<module path>:<attribute>' -> generator, for every generator the model chunks hold
     in an attribute, directly or in a list/tuple/dict (a generator reachable twice is named once, by
-    its first path)."""
+    its first path). ``walked``: ``walk(modules)``, when the caller has it."""
     out, seen = {}, set()
-    for i, chunk in enumerate(modules):
-        for name, module in chunk.named_modules():
-            for attr, value in vars(module).items():
-                if attr in _MODULE_OWN:
-                    continue
-                kind = _kind(value)
-                if kind == _NEITHER or (kind == _CONTAINER and not value):
-                    continue
-                for suffix, gen in (("", value),) if kind == _GENERATOR else _held(value):
-                    if id(gen) not in seen:
-                        seen.add(id(gen))
-                        out[f"{i}.{name or '<root>'}:{attr}{suffix}"] = gen
+    for i, name, module in walk(modules) if walked is None else walked:
+        attrs = vars(module)
+        # most modules hold nothing but scalars, configs and nn.Module's own state: their attributes'
+        # types, all known to be neither, are checked at C speed
+        if _NEITHER_TYPES.issuperset(map(type, map(attrs.__getitem__, attrs.keys() - _MODULE_OWN))):
+            continue
+        for attr, value in attrs.items():
+            if attr in _MODULE_OWN:
+                continue
+            kind = _kind(value)
+            if kind == _NEITHER or (kind == _CONTAINER and not value):
+                continue
+            for suffix, gen in (("", value),) if kind == _GENERATOR else _held(value):
+                if id(gen) not in seen:
+                    seen.add(id(gen))
+                    out[f"{i}.{name or '<root>'}:{attr}{suffix}"] = gen
     return out
 
 
-def module_buffers(modules) -> dict[str, torch.Tensor]:
+def module_buffers(modules, walked=None) -> dict[str, torch.Tensor]:
     """'<chunk>.<buffer name>' -> tensor, persistent and not."""
-    return {f"{i}.{name}": b for i, chunk in enumerate(modules) for name, b in chunk.named_buffers()}
+    return {f"{i}.{name}": b for i, name, b in named_members(walk(modules) if walked is None else walked, "_buffers")}
 
 
-def capture_module_rng(modules) -> dict[str, torch.Tensor]:
-    return {where: gen.get_state() for where, gen in module_generators(modules).items()}
+def capture_module_rng(modules, walked=None) -> dict[str, torch.Tensor]:
+    return {where: gen.get_state() for where, gen in module_generators(modules, walked).items()}
 
 
 def restore_module_rng(modules, saved, *, source) -> None:
@@ -87,11 +116,11 @@ def restore_module_rng(modules, saved, *, source) -> None:
         gen.set_state(saved[where])
 
 
-def buffers_digest(modules) -> str:
-    return state_digest(module_buffers(modules).items())
+def buffers_digest(modules, walked=None) -> str:
+    return state_digest(module_buffers(modules, walked).items())
 
 
-def generators_digest(modules) -> str | None:
+def generators_digest(modules, walked=None) -> str | None:
     """Digest of the generators' states; None when the model holds none."""
-    states = capture_module_rng(modules)
+    states = capture_module_rng(modules, walked)
     return state_digest(states.items()) if states else None

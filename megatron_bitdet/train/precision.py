@@ -28,11 +28,15 @@ def _mixed_precision_optimizers(optimizer) -> list:
     return [o for o in _chained(optimizer) if isinstance(o, MixedPrecisionOptimizer) and not o.is_stub_optimizer]
 
 
-def main_params(ddp_modules) -> list[tuple[str, torch.Tensor]]:
+def main_params(ddp_modules, walked=None) -> list[tuple[str, torch.Tensor]]:
     """(parameter name, fp32 main param) for every 16-bit parameter with a source on this rank
-    (megatron sets ``param.main_param``; with the distributed optimizer it is this rank's shard)."""
-    return [(f"{i}.{name}", p.main_param) for i, m in enumerate(ddp_modules)
-            for name, p in m.module.named_parameters() if getattr(p, "main_param", None) is not None]
+    (megatron sets ``param.main_param``; with the distributed optimizer it is this rank's shard).
+    ``walked``: ``module_state.walk`` of the chunks, when the caller has it."""
+    from megatron_bitdet.train.module_state import named_members, walk
+
+    walked = walk([m.module for m in ddp_modules]) if walked is None else walked
+    return [(f"{i}.{name}", p.main_param) for i, name, p in named_members(walked, "_parameters")
+            if getattr(p, "main_param", None) is not None]
 
 
 def compute_copy_name(ddp_modules) -> str | None:
@@ -94,16 +98,17 @@ def _te_fp8_state(module) -> dict:
     return out
 
 
-def fp8_scaling_state(ddp_modules) -> dict[str, torch.Tensor]:
+def fp8_scaling_state(ddp_modules, walked=None) -> dict[str, torch.Tensor]:
     """Every FP8 scaling-state tensor of the model (emulated linears' buffers, or TE's fp8_meta)."""
+    from megatron_bitdet.train.module_state import walk
+
     out = {}
-    for i, chunk in enumerate(ddp_modules):
-        for name, m in chunk.module.named_modules():
-            for attr in ("fp8_amax_history", "fp8_scale"):
-                if torch.is_tensor(getattr(m, attr, None)):
-                    out[f"{i}.{name}.{attr}"] = getattr(m, attr)
-            for key, t in _te_fp8_state(m).items():
-                out[f"{i}.{name}.{key}"] = t
+    for i, name, m in walk([c.module for c in ddp_modules]) if walked is None else walked:
+        for attr in ("fp8_amax_history", "fp8_scale"):
+            if torch.is_tensor(getattr(m, attr, None)):
+                out[f"{i}.{name}.{attr}"] = getattr(m, attr)
+        for key, t in _te_fp8_state(m).items():
+            out[f"{i}.{name}.{key}"] = t
     return out
 
 
@@ -113,17 +118,21 @@ def fault_drop_fp8_scaling(ddp_modules) -> None:
         m.reset_fp8_scaling()
 
 
-def step_digests(ddp_modules) -> dict[str, str]:
+def step_digests(ddp_modules, walked=None) -> dict[str, str]:
     """Per-step fingerprint digests beyond params/grads: the fp32 source of a mixed-precision run, and
-    FP8's encoded weight values, their scales and the scaling state (hashed byte for byte, float8 too)."""
+    FP8's encoded weight values, their scales and the scaling state (hashed byte for byte, float8 too).
+    ``walked``: ``module_state.walk`` of the chunks, when the caller has it."""
+    from megatron_bitdet.train.module_state import walk
+
+    walked = walk([c.module for c in ddp_modules]) if walked is None else walked
     out = {}
-    mains = main_params(ddp_modules)
+    mains = main_params(ddp_modules, walked)
     if mains:
         out["main_params"] = state_digest(mains)
-    fp8 = emulated_fp8_modules([c.module for c in ddp_modules])
+    fp8 = emulated_fp8_modules(None, walked)
     encoded = [(n, m.fp8_encoded_weight) for n, m in fp8 if m.fp8_encoded_weight is not None]
     if encoded:
         out["fp8_values"] = state_digest((n, e.data) for n, e in encoded)
         out["fp8_scales"] = state_digest([*((n, e.scales) for n, e in encoded),
-                                          *fp8_scaling_state(ddp_modules).items()])
+                                          *fp8_scaling_state(ddp_modules, walked).items()])
     return out

@@ -59,13 +59,15 @@ def state_digests(model, grads_digest: str) -> dict:
     the model's buffers (router expert_bias, ...), its own generators' states when it holds any, and
     the precision digests (``precision.step_digests``). One function for both loops (bitdet's and
     Megatron-LM's), and what ``benchmarks/bench_fingerprint_overhead.py`` times."""
-    from megatron_bitdet.train.module_state import buffers_digest, generators_digest
+    from megatron_bitdet.train.module_state import buffers_digest, generators_digest, walk
     from megatron_bitdet.train.precision import step_digests
 
     chunks = [m.module for m in model]
-    digests = {"params": buffer_digest(model, "param_data"), "grads": grads_digest, "buffers": buffers_digest(chunks)}
-    generators = generators_digest(chunks)
+    walked = walk(chunks)  # the modules as they are now, walked once for every digest below
+    digests = {"params": buffer_digest(model, "param_data"), "grads": grads_digest,
+               "buffers": buffers_digest(chunks, walked)}
+    generators = generators_digest(chunks, walked)
     if generators is not None:
         digests["generators"] = generators
-    digests.update(step_digests(model))
+    digests.update(step_digests(model, walked))
     return digests
