@@ -249,16 +249,16 @@ def _wrap_coalescing(tracer, orig, blocks: dict):
             with orig(*args, **kwargs) as cm:
                 yield cm
             return
-        a = bind(args, kwargs)
+        group, async_ops = bind(args, kwargs)
         dones: list = []
         with orig(*args, **kwargs) as cm:
-            key = id(_queue(a[0]))
+            key = id(_queue(group))
             blocks[key] = dones
             try:
                 yield cm
             finally:
                 blocks.pop(key, None)
-        if not a[1]:
+        if not async_ops:
             for done in dones:
                 done()
             return
