@@ -301,7 +301,7 @@ def installed(tracer):
     if not dist.is_available():
         yield
         return
-    if tracer.collectives is None:
-        tracer.collectives = Wrappers(tracer)
-    with swap_collectives(tracer.collectives, (*SPECS, "batch_isend_irecv", "_coalescing_manager")):
+    if tracer.collective_wrappers is None:
+        tracer.collective_wrappers = Wrappers(tracer)
+    with swap_collectives(tracer.collective_wrappers, (*SPECS, "batch_isend_irecv", "_coalescing_manager")):
         yield

@@ -68,7 +68,7 @@ class Tracer:
         self._step = 0
         self._quiet = 0                     # >0 while the tracer itself runs torch ops (not traced)
         self._native = None                 # the native tracer while it runs a step (module and op levels)
-        self.collectives = None             # collectives.Wrappers, made at the first traced step
+        self.collective_wrappers = None     # collectives.Wrappers, made at the first traced step
         self.inflight: dict[int, str] = {}  # data_ptr -> async collective whose output is not waited yet
         self.uninit: dict[int, None] = {}   # data_ptr of aten.empty* outputs not yet written
         # which tracer runs module hooks and ops ("native": C++ hooks and dispatcher fallback, or
