@@ -105,9 +105,7 @@ class EmulatedFP8RowParallelLinear(_FP8Emulation, RowParallelLinear):
         self._setup_fp8()
 
 
-def emulated_fp8_modules(modules, walked=None) -> list[tuple[str, torch.nn.Module]]:
-    """(qualified name, module) of every emulated FP8 linear under the given model chunks; ``walked``:
-    their (chunk index, path, module) triples, already listed, instead of the chunks."""
-    if walked is None:
-        walked = ((i, name, m) for i, chunk in enumerate(modules) for name, m in chunk.named_modules())
+def emulated_fp8_modules(walked) -> list[tuple[str, torch.nn.Module]]:
+    """(qualified name, module) of every emulated FP8 linear among a model's (chunk index, path, module)
+    triples (``train.module_state.walk``)."""
     return [(f"{i}.{name}", m) for i, name, m in walked if isinstance(m, _FP8Emulation)]

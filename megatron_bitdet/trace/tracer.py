@@ -248,13 +248,14 @@ class Tracer:
         key = (ph, sc, name)
         n = self._counts.get(key, 0)
         self._counts[key] = n + 1
+        rec = (self._step, ph, sc, name, n, kind, ins, outs, fields or extra)
         buf = self._buf
         if self._native is not None:
             buf.extend(self._native.take())
         try:
-            buf.append(record_line(self._step, ph, sc, name, n, kind, ins, outs, fields or extra))
+            buf.append(record_line(*rec))
         except TypeError:
-            buf.append((self._step, ph, sc, name, n, kind, ins, outs, fields or extra))
+            buf.append(rec)
         if len(buf) >= _FLUSH_EVERY:
             self.flush()
 

@@ -14,6 +14,7 @@ import torch
 
 from megatron_bitdet.fingerprint.tensor import state_digest
 from megatron_bitdet.kernels.fp8_linear import emulated_fp8_modules
+from megatron_bitdet.train.module_state import named_members, walk
 
 _SHORT = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
@@ -28,13 +29,16 @@ def _mixed_precision_optimizers(optimizer) -> list:
     return [o for o in _chained(optimizer) if isinstance(o, MixedPrecisionOptimizer) and not o.is_stub_optimizer]
 
 
+def _walk(ddp_modules) -> list:
+    """``module_state.walk`` of the model chunks the DDP modules wrap."""
+    return walk([m.module for m in ddp_modules])
+
+
 def main_params(ddp_modules, walked=None) -> list[tuple[str, torch.Tensor]]:
     """(parameter name, fp32 main param) for every 16-bit parameter with a source on this rank
     (megatron sets ``param.main_param``; with the distributed optimizer it is this rank's shard).
-    ``walked``: ``module_state.walk`` of the chunks, when the caller has it."""
-    from megatron_bitdet.train.module_state import named_members, walk
-
-    walked = walk([m.module for m in ddp_modules]) if walked is None else walked
+    ``walked``: ``_walk(ddp_modules)``, when the caller has it."""
+    walked = _walk(ddp_modules) if walked is None else walked
     return [(f"{i}.{name}", p.main_param) for i, name, p in named_members(walked, "_parameters")
             if getattr(p, "main_param", None) is not None]
 
@@ -99,11 +103,10 @@ def _te_fp8_state(module) -> dict:
 
 
 def fp8_scaling_state(ddp_modules, walked=None) -> dict[str, torch.Tensor]:
-    """Every FP8 scaling-state tensor of the model (emulated linears' buffers, or TE's fp8_meta)."""
-    from megatron_bitdet.train.module_state import walk
-
+    """Every FP8 scaling-state tensor of the model (emulated linears' buffers, or TE's fp8_meta);
+    ``walked``: ``_walk(ddp_modules)``, when the caller has it."""
     out = {}
-    for i, name, m in walk([c.module for c in ddp_modules]) if walked is None else walked:
+    for i, name, m in _walk(ddp_modules) if walked is None else walked:
         for attr in ("fp8_amax_history", "fp8_scale"):
             if torch.is_tensor(getattr(m, attr, None)):
                 out[f"{i}.{name}.{attr}"] = getattr(m, attr)
@@ -114,22 +117,20 @@ def fp8_scaling_state(ddp_modules, walked=None) -> dict[str, torch.Tensor]:
 
 def fault_drop_fp8_scaling(ddp_modules) -> None:
     """Test-only restore fault: the scaling state left as a fresh model has it (amax history dropped)."""
-    for _, m in emulated_fp8_modules([c.module for c in ddp_modules]):
+    for _, m in emulated_fp8_modules(_walk(ddp_modules)):
         m.reset_fp8_scaling()
 
 
 def step_digests(ddp_modules, walked=None) -> dict[str, str]:
     """Per-step fingerprint digests beyond params/grads: the fp32 source of a mixed-precision run, and
     FP8's encoded weight values, their scales and the scaling state (hashed byte for byte, float8 too).
-    ``walked``: ``module_state.walk`` of the chunks, when the caller has it."""
-    from megatron_bitdet.train.module_state import walk
-
-    walked = walk([c.module for c in ddp_modules]) if walked is None else walked
+    ``walked``: ``_walk(ddp_modules)``, when the caller has it."""
+    walked = _walk(ddp_modules) if walked is None else walked
     out = {}
     mains = main_params(ddp_modules, walked)
     if mains:
         out["main_params"] = state_digest(mains)
-    fp8 = emulated_fp8_modules(None, walked)
+    fp8 = emulated_fp8_modules(walked)
     encoded = [(n, m.fp8_encoded_weight) for n, m in fp8 if m.fp8_encoded_weight is not None]
     if encoded:
         out["fp8_values"] = state_digest((n, e.data) for n, e in encoded)
