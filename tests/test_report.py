@@ -89,3 +89,27 @@ def test_report_says_incomplete_where_compare_does(tmp_path):
     text, _ = _parse(out)
     assert "<b>incomplete</b>: 4 steps" in text and "only in A: 5-6; only in B: none" in text
     assert "<b>match</b>" not in text and "bit for bit." not in text
+
+
+def test_step_axes_tick_at_whole_steps(tmp_path, monkeypatch):
+    """A 3-step run: every plot with a step axis shows ticks at whole steps only (matplotlib's default
+    locator put them at 1.25, 1.5, 1.75 ...), read from the figures the page embeds, as drawn."""
+    from megatron_bitdet.analysis import report
+
+    figures = []
+    draw = report._img
+    monkeypatch.setattr(report, "_img", lambda fig: figures.append(fig) or draw(fig))
+    a, b = write_run(tmp_path / "a", steps=3), write_run(tmp_path / "b", steps=3)
+    resumed = write_run(tmp_path / "r", steps=3, nudge=(0, 3))
+    render_report(tmp_path / "report.html", title="t", verdicts=[Verdict("reproducible", True, "ok")],
+                  runs=[RunSpec("A", str(a)), RunSpec("B", str(b)), RunSpec("resumed", str(resumed), (2,))],
+                  compare_results={"A vs B": compare_runs(a, b), "A vs resumed": compare_runs(a, resumed)}, tax=TAX)
+    step_figures = [fig for fig in figures if any(ax.get_xlabel().startswith("step") for ax in fig.axes)]
+    assert len(step_figures) == 3  # the metrics panels (one x axis, shared) and the two bit-distance plots
+    step_axes = [ax for fig in step_figures for ax in fig.axes]
+    for ax in step_axes:
+        lo, hi = sorted(ax.get_xlim())
+        shown = [t for t in ax.get_xticks() if lo <= t <= hi]
+        assert shown and all(float(t).is_integer() for t in shown), (ax.get_ylabel(), shown)
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        assert all(label.lstrip("−-").isdigit() for label in labels), labels

@@ -19,6 +19,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 
 from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
 
 from megatron_bitdet.analysis.compare import CompareResult
 from megatron_bitdet.analysis.fingerprints_io import load_run
@@ -126,6 +127,11 @@ def _series(run: RunData, name: str) -> tuple[list[int], list[float]]:
     return [r.step for r in records], [decode_float(r.metrics[name]) for r in records]
 
 
+def _integer_steps(ax) -> None:
+    """Steps are whole numbers: without this a 3-step run's axis ticks at 1.25, 1.5, 1.75."""
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+
+
 def _metrics_figure(loaded: list[tuple[RunSpec, RunData]]) -> Figure:
     names = [n for n in PLOTTED_METRICS if any(_series(run, n)[0] for _, run in loaded)]
     fig = Figure(figsize=(10, 2.6 * max(1, len(names))))
@@ -142,6 +148,7 @@ def _metrics_figure(loaded: list[tuple[RunSpec, RunData]]) -> Figure:
                     ax.plot([s], [values[steps.index(s)]], marker="v", ms=9, color=line.get_color())
         ax.set_ylabel(name)
         ax.legend(loc="upper right", fontsize="small")
+        _integer_steps(ax)
     axes[-1].set_xlabel("step  (▼ / dotted: resumed from a checkpoint after this step)")
     return fig
 
@@ -167,6 +174,7 @@ def _distance_figure(label: str, result: CompareResult) -> Figure:
                         (f"0 ULP at the {result.steps_compared} common steps, but incomplete: not a match", "red"))
         ax.text(0.5, 0.5, equal, transform=ax.transAxes, ha="center", color=color, fontsize=12)
     ax.set(title=f"{label}: max ULP distance across ranks", xlabel="step", ylabel="ULP (symlog, 0 = equal)")
+    _integer_steps(ax)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1), fontsize="small")
     return fig
 
