@@ -98,12 +98,29 @@ def test_rules_silent_on_the_tiny_recipe_with_good_gpu_stack():
                                     "deterministic_support": {"mamba-ssm": False}}),  # no Mamba layers
     (["model.spec=local"], {"env": {"NVTE_ALLOW_NONDETERMINISTIC_ALGO": "1"},
                             "versions": {"transformer-engine": "2.8.0"}}),  # TE attention not used
-    ([], {"env": {"NCCL_ALGO": "^NVLS"}}),
     (["model.hybrid_pattern=M-ME", "model.attention_backend=flash"], {}),  # no attention layers
 ])
 def test_rules_silent_where_the_feature_is_unused(overrides, changes):
     recipe = load_recipe(TINY, overrides)
     assert evaluate_rules(recipe, canonical_facts(recipe, **changes)).violations == []
+
+
+@pytest.mark.parametrize("value, still", [
+    ("^NVLS", "Ring, Tree, CollnetDirect, CollnetChain, NVLSTree, PAT"),  # Megatron-LM accepts this one
+    ("^NVLS,Tree,PAT", "Ring, CollnetDirect, CollnetChain, NVLSTree"),
+])
+def test_nccl_exclusion_list_is_refused_naming_what_it_still_allows(value, still):
+    """In NCCL a leading ^ excludes the listed algorithms: every other one may still be picked."""
+    recipe = load_recipe(TINY)
+    out = evaluate_rules(recipe, canonical_facts(recipe, env={"NCCL_ALGO": value}))
+    (v,) = out.violations
+    assert v.rule_id == "nccl_tree" and f"still allows {still}" in v.message, v.message
+
+
+@pytest.mark.parametrize("value", ["Ring", "ring", "Ring,CollnetDirect", "CollnetChain"])
+def test_nccl_allow_list_of_deterministic_algorithms_passes(value):
+    recipe = load_recipe(TINY)
+    assert evaluate_rules(recipe, canonical_facts(recipe, env={"NCCL_ALGO": value})).violations == []
 
 
 def test_all_violations_reported_together():

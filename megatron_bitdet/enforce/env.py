@@ -13,7 +13,10 @@ from typing import Callable, Mapping, Optional
 from megatron_bitdet.errors import BitdetInputError
 
 NCCL_ALGOS = ("Ring", "Tree", "CollnetDirect", "CollnetChain", "NVLS", "NVLSTree", "PAT")
-NCCL_DETERMINISTIC_TOKENS = ("Ring", "CollnetDirect", "CollnetChain", "^NVLS")
+# An allow-list, never an exclusion: NCCL reads a leading ^ as "any algorithm but these", so ^NVLS (which
+# Megatron-LM accepts) still lets NCCL pick Tree, NVLSTree or PAT per message size and topology. The
+# Collnet ones are upstream Megatron-LM's accepted set (in-network reduction in one fixed tree).
+NCCL_DETERMINISTIC = ("Ring", "CollnetDirect", "CollnetChain")
 
 
 def nccl_tokens(value: str) -> list:
@@ -26,9 +29,18 @@ def _nccl_syntax(value: str) -> bool:
     return bool(tokens) and all(t.lstrip("^").lower() in known for t in tokens)
 
 
-def nccl_deterministic(value: str) -> bool:
-    ok = {t.lower() for t in NCCL_DETERMINISTIC_TOKENS}
-    return _nccl_syntax(value) and all(t.lower() in ok for t in nccl_tokens(value))
+def nccl_refusal(value: str) -> Optional[str]:
+    """Why NCCL_ALGO=value lets NCCL pick a nondeterministic algorithm, or None when it names only
+    deterministic ones."""
+    tokens = nccl_tokens(value)
+    if any(t.startswith("^") for t in tokens):
+        excluded = {t.lstrip("^").lower() for t in tokens}
+        still = [a for a in NCCL_ALGOS if a.lower() not in excluded]
+        return (f"NCCL_ALGO={value!r} is an exclusion list: it still allows {', '.join(still)}; "
+                f"name the algorithms instead ({', '.join(NCCL_DETERMINISTIC)})")
+    ok = {a.lower() for a in NCCL_DETERMINISTIC}
+    bad = [t for t in tokens if t.lower() not in ok]
+    return f"NCCL_ALGO={value!r} allows {', '.join(bad)}" if bad else None
 
 
 def _one_of(*values):
@@ -51,7 +63,7 @@ class EnvVar:
 
 
 ENV_TABLE = (
-    EnvVar("NCCL_ALGO", "Ring", _nccl_syntax, f"comma-separated tokens of {', '.join(NCCL_DETERMINISTIC_TOKENS)}",
+    EnvVar("NCCL_ALGO", "Ring", _nccl_syntax, f"a comma-separated list of {', '.join(NCCL_DETERMINISTIC)}",
            "nccl", "pins the collective algorithm (Tree/NVLS reduce in topology-dependent order)",
            governed_by="nccl_tree"),
     EnvVar("NVTE_ALLOW_NONDETERMINISTIC_ALGO", "0", _one_of("0", "1"), "0",

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
-from megatron_bitdet.enforce.env import ENV_BY_NAME, NCCL_DETERMINISTIC_TOKENS, nccl_deterministic
+from megatron_bitdet.enforce.env import ENV_BY_NAME, NCCL_DETERMINISTIC, nccl_refusal
 from megatron_bitdet.enforce.facts import Facts, version_tuple
 from megatron_bitdet.recipe import RecipeError
 
@@ -54,11 +54,11 @@ RULES = (
          "(upstream refuses it)",
          "set parallel.tp_comm_overlap: false"),
     Rule("nccl_tree",
-         lambda r, f: _flag("NCCL_ALGO" in f.env and not nccl_deterministic(f.env["NCCL_ALGO"]),
-                            f"NCCL_ALGO={f.env.get('NCCL_ALGO')!r} allows a tree/NVLS/PAT algorithm"),
+         lambda r, f: nccl_refusal(f.env["NCCL_ALGO"]) if "NCCL_ALGO" in f.env else None,
          "NCCL picks Tree/NVLS/PAT per message size and topology; their reduction order differs from Ring's "
          "and between allocations",
-         f"export NCCL_ALGO=Ring (accepted tokens: {', '.join(NCCL_DETERMINISTIC_TOKENS)}) or unset it"),
+         f"export NCCL_ALGO=Ring (accepted: a list of {', '.join(NCCL_DETERMINISTIC)}; never a ^ exclusion) "
+         "or unset it"),
     Rule("moe_router_fusion",
          lambda r, f: _flag(_moe(r) and r.model.moe.router_fusion, "model.moe.router_fusion is true"),
          "TE's fused_moe_aux_loss accumulates the load-balancing loss with atomicAdd across CTAs: "
