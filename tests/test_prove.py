@@ -7,9 +7,11 @@ GEMM whose partial products are summed in an order drawn from os.urandom, like G
 from __future__ import annotations
 
 import re
+import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from megatron_bitdet.cli import main
 
@@ -58,6 +60,43 @@ def test_prove_bad_input_exits_2(tmp_path):
     assert main(["prove", "--recipe", RECIPE, "--out", str(tmp_path), "--resume-at", "9", *SHORT]) == 2
     assert main(["prove", "--recipe", RECIPE, "--out", str(tmp_path), "--resume-at", "x"]) == 2
     assert main(["prove", "--recipe", str(tmp_path / "missing.yaml"), "--out", str(tmp_path)]) == 2
+
+
+class QueuedDevice:
+    """Stand-in for a CUDA device (absent here): kernels launch asynchronously and queue up;
+    ``synchronize`` (and a copy to host, as the grads digest does) waits until the queue is done."""
+
+    def __init__(self, monkeypatch):
+        self.queued_s, self.syncs = 0.0, 0
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+        monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.cuda, "synchronize", self.synchronize)
+
+    def launch(self, seconds: float) -> None:
+        self.queued_s += seconds
+
+    def synchronize(self, device=None) -> None:
+        self.syncs += 1
+        time.sleep(self.queued_s)
+        self.queued_s = 0.0
+
+
+def test_step_clock_keeps_queued_gpu_work_out_of_the_excluded_span(tmp_path, monkeypatch):
+    """The backward is still queued when bitdet's grads digest starts (its copy to host waits for it):
+    the clock synchronizes at both boundaries of the excluded span, so that wait is the step's time."""
+    from megatron_bitdet.megatron_lm.timings import StepClock, read_step_times
+
+    device = QueuedDevice(monkeypatch)
+    clock = StepClock(tmp_path, 0)
+    clock.start()
+    device.launch(0.2)  # forward + backward, launched, not finished
+    with clock.excluded():
+        device.launch(0.05)  # the digest's own kernels ...
+        device.synchronize()  # ... and its copy to host
+    clock.stop(1)
+    clock.close()
+    assert device.syncs == 5  # start, both span boundaries, the digest's copy, stop
+    assert read_step_times(tmp_path, 1)[0][1] >= 0.2
 
 
 def test_step_timings_reader_takes_what_the_clock_writes_and_names_every_defect(tmp_path):

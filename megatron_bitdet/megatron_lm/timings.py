@@ -6,7 +6,8 @@ byte-identical across runs (times never are). One JSON line per step per rank un
     {"v": 1, "step": 3, "rank": 0, "seconds": 0.01234}
 
 bitdet's own work inside the step (the grads digest before the optimizer) is left out of the time,
-so a deterministic and a baseline launch are timed on Megatron's work alone.
+so a deterministic and a baseline launch are timed on Megatron's work alone; every boundary (step and
+excluded span) synchronizes the device first, so queued GPU work is counted where it was launched.
 """
 from __future__ import annotations
 
@@ -45,10 +46,15 @@ class StepClock:
 
     @contextmanager
     def excluded(self):
+        """A span left out of the step. Synchronized at both ends: on a GPU the step's queued kernels
+        (the backward) would otherwise finish inside the span, whose copy to host waits for them, and
+        their time would be subtracted; the span's own kernels finish before it ends."""
+        _sync()
         t = time.perf_counter()
         try:
             yield
         finally:
+            _sync()
             self._excluded += time.perf_counter() - t
 
     def stop(self, step: int) -> None:
