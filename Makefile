@@ -18,8 +18,9 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/bitdet prove --recipe recipes/nemotron_h_tiny.yaml --out runs/demo
 
+# -rs lists every skip with its reason; the last lines count the Megatron-LM tests that ran (tests/conftest.py)
 test: $(STAMP)
-	$(BIN)/python -m pytest -q -p no:cacheprovider tests
+	$(BIN)/python -m pytest -q -rs -p no:cacheprovider tests
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/run_all.py

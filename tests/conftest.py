@@ -1,8 +1,13 @@
 """Shared real training runs: every 2-rank launch costs ~20 s here, so each run is made once per
-session and read by every test that needs it (test_train, test_checkpoint)."""
+session and read by every test that needs it (test_train, test_checkpoint).
+
+Also the ``megatron_lm`` marker: tests that drive Megatron-LM's own pretrain_*.py skip, naming why,
+when ``MEGATRON_LM_PATH`` holds no checkout; with ``BITDET_REQUIRE_MEGATRON_LM=1`` (``.ci/run``) such a
+skip is a failure instead, and the run ends with a line counting the Megatron-LM tests that ran."""
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +69,69 @@ def saved_checkpoint(reference_run) -> Path:
     return reference_run.dir / "checkpoints" / f"iter_{RESUME_AT:07d}"
 
 
+# ---------------------------------------------------------------------------- Megatron-LM tests
+MEGATRON_LM_MARK = "megatron_lm"
+REQUIRE_MEGATRON_LM = "BITDET_REQUIRE_MEGATRON_LM"
+
+
+def megatron_lm_missing() -> str | None:
+    """Why Megatron-LM's training sources cannot be used here, or None when they can."""
+    path = os.environ.get("MEGATRON_LM_PATH")
+    if not path:
+        return "MEGATRON_LM_PATH is unset (point it at a Megatron-LM checkout, tag core_v0.16.1)"
+    if not os.path.isfile(os.path.join(path, "pretrain_mamba.py")):
+        return f"MEGATRON_LM_PATH={path} holds no pretrain_mamba.py (point it at a Megatron-LM checkout)"
+    return None
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", f"{MEGATRON_LM_MARK}: drives Megatron-LM's pretrain_*.py (needs MEGATRON_LM_PATH)")
+
+
+def pytest_runtest_setup(item):
+    if item.get_closest_marker(MEGATRON_LM_MARK):
+        why = megatron_lm_missing()
+        if why:
+            pytest.skip(why)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Under BITDET_REQUIRE_MEGATRON_LM=1 a skipped Megatron-LM test fails: CI must not go green without them."""
+    report = (yield).get_result()
+    if report.skipped and item.get_closest_marker(MEGATRON_LM_MARK) and os.environ.get(REQUIRE_MEGATRON_LM) == "1":
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome = "failed"
+        report.longrepr = f"{REQUIRE_MEGATRON_LM}=1 but this Megatron-LM test skipped: {reason}"
+        report.user_properties.append((REQUIRE_MEGATRON_LM, "skip refused"))
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: its line comes after the short test summary
+def pytest_terminal_summary(terminalreporter, config):
+    """The line after the skip reasons, before pytest's tally: how much of Megatron-LM's own training
+    path this run covered."""
+    yield
+    ran, failed, skipped, refused = set(), set(), set(), set()
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if not (isinstance(r, pytest.TestReport) and MEGATRON_LM_MARK in r.keywords):
+                continue
+            if (REQUIRE_MEGATRON_LM, "skip refused") in r.user_properties:
+                refused.add(r.nodeid)
+            elif r.skipped:
+                skipped.add(r.nodeid)
+            if r.when == "call" and not r.skipped:
+                ran.add(r.nodeid)
+            if r.failed:
+                failed.add(r.nodeid)
+    line = f"Megatron-LM tests: {len(ran)} ran ({len(failed & ran)} failed), {len(skipped | refused)} skipped"
+    if refused:
+        line += f" ({len(refused)} counted as failures: {REQUIRE_MEGATRON_LM}=1)"
+    if skipped | refused:
+        line += f": {megatron_lm_missing() or 'see the skip reasons above'}"
+    terminalreporter.write_line(line, red=bool(failed or skipped or refused), green=bool(ran) and not failed)
+
+
 # ---------------------------------------------------------------------------- resume chains (tb)
 # Shared by test_verify_resume and test_precision_runs: a faulted chain continues from an earlier
 # chain's fresh segment instead of launching the same fresh run again.
@@ -82,9 +150,9 @@ def faulted_chain(recipe, resume_at, faults, *, fresh_segment, reference_dir, ou
     assert iter_dir(checkpoints_dir(fresh_segment), resume_at[0]).is_dir(), fresh_segment
     launch = recipe_segment(recipe, nproc=nproc, faults=faults)
 
-    def segment(run_dir: Path, start: int, stop: int, load_from) -> None:
-        if start:
-            launch(run_dir, start, stop, load_from)
+    def segment(run_dir: Path, start: int, stop: int, load_from, full=None) -> None:
+        if start or full is not None:  # a second pass's fresh start runs: it keeps tensors in full
+            launch(run_dir, start, stop, load_from, full=full)
         else:
             shutil.copytree(fresh_segment, run_dir)
 
