@@ -59,3 +59,34 @@ def build_data(rank, world_size, cache_dir, out, max_bytes, steps):
     batches = [next(td)["tokens"] for _ in range(steps * td.num_microbatches)]
     torch.save({"tokens": batches, "digest": td.corpus_digest, "state": td.state_dict()},
                Path(out, f"rank_{rank}.pt"))
+
+
+def hash_state(rank, world_size, out):
+    """What this rank's interpreter really hashes str with (fixed when it started)."""
+    import sys
+
+    Path(out, "worker.json").write_text(json.dumps(
+        {"hash_randomization": sys.flags.hash_randomization, "hash": hash("bitdet"), "pid": os.getpid(),
+         "env": os.environ.get("PYTHONHASHSEED")}))
+
+
+CUDA_EVENTS = []  # filled by test_launch's stand-in for torch.cuda and by the worker below
+
+
+def cuda_order(rank, world_size):
+    CUDA_EVENTS.append("worker")
+
+
+def _enforce(rank, world_size):
+    CUDA_EVENTS.append("enforce")
+
+
+cuda_order.before_process_group = _enforce
+
+
+def cuda_order_own_group(rank, world_size):
+    """Like Megatron-LM's rank entry: enforcement and the device are the script's own business."""
+    CUDA_EVENTS.append("worker")
+
+
+cuda_order_own_group.owns_process_group = True

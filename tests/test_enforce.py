@@ -304,6 +304,34 @@ def test_cli_refuses_router_fusion_then_accepts_opt_out_with_warning(tmp_path):
     assert manifest["env"]["PYTHONHASHSEED"] == {"value": "0", "source": "launcher"}
 
 
+def test_pythonhashseed_set_after_start_is_recorded_as_not_in_effect():
+    """An interpreter started without PYTHONHASHSEED keeps hashing str randomly whatever enable() writes
+    into os.environ: the manifest says so and the warning gives the launcher line that fixes it."""
+    run = _bitdet("enforce", "--recipe", TINY)
+    assert run.returncode == 0, run.stderr
+    manifest = json.loads(run.stdout)
+    assert manifest["env"]["PYTHONHASHSEED"] == {"value": "0", "source": "default", "in_effect": False}
+    assert any("PYTHONHASHSEED=0 torchrun" in w for w in manifest["warnings"])
+
+
+@pytest.mark.parametrize("overrides, launcher, expected", [
+    (["parallel.tensor=2"], {}, ("1", "default")),
+    (["parallel.context=2"], {}, ("1", "default")),
+    (["parallel.tensor=2"], {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}, ("8", "launcher")),  # never overwritten
+    ([], {}, (None, "unset")),
+])
+def test_cuda_device_max_connections_is_one_where_megatron_needs_it(overrides, launcher, expected):
+    """Megatron-LM asserts CUDA_DEVICE_MAX_CONNECTIONS=1 with tensor or context parallelism (pre-Blackwell)."""
+    setting = resolve_env(load_recipe(TINY, overrides), launcher)[0]["CUDA_DEVICE_MAX_CONNECTIONS"]
+    assert (setting.value, setting.source) == expected
+
+
+def test_late_cuda_context_refuses_a_changed_cuda_device_max_connections():
+    recipe = load_recipe(TINY, ["parallel.tensor=2"])
+    refusals, _ = late_application(resolve_env(recipe, {})[0], {}, Facts(cuda_initialized=True))
+    assert ["CUDA_DEVICE_MAX_CONNECTIONS"] in [names for names, _, _ in refusals]
+
+
 def test_cli_swaps_router_fusion_when_swaps_are_on():
     swapped = _bitdet("recipe", "validate", os.path.join(DATA, "router_fusion.yaml"), "determinism.swaps=true")
     assert swapped.returncode == 0, swapped.stderr

@@ -98,3 +98,65 @@ def test_torchrun_world_mismatch_is_input_error(monkeypatch):
         monkeypatch.setenv(k, v)
     with pytest.raises(BitdetInputError, match="torchrun started 1 processes but this run needs 2"):
         launch("dist_workers:allreduce", 2, {})
+
+
+def _torchrun_rank(tmp_path, code: str, *flags: str) -> subprocess.CompletedProcess:
+    """One rank as torchrun starts it: its variables set, no PYTHONHASHSEED exported (str hashing randomized)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONHASHSEED"}
+    env.update(_env(), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+               MASTER_PORT=str(_free_port()))
+    prologue = (f"import os, sys; sys.path.insert(0, {TESTS!r}); "
+                f"open({str(tmp_path / 'starts')!r}, 'a').write(f'{{os.getpid()}}\\n'); ")
+    return subprocess.run([sys.executable, *flags, "-c", prologue + code], env=env, capture_output=True, text=True,
+                          timeout=60)
+
+
+@pytest.mark.timeout(90)
+def test_torchrun_rank_hashes_with_the_pythonhashseed_it_records(tmp_path):
+    """PYTHONHASHSEED only works from the interpreter's start: a torchrun rank started randomized is
+    re-executed in place (same PID, so torchrun still supervises it) with the variable set."""
+    code = (f"from megatron_bitdet.train.launch import launch; "
+            f"sys.exit(launch('dist_workers:hash_state', 1, {{'out': {str(tmp_path)!r}}}, env={{'PYTHONHASHSEED': '0'}}))")
+    proc = _torchrun_rank(tmp_path, code)
+    assert proc.returncode == 0, proc.stderr
+    worker = json.loads((tmp_path / "worker.json").read_text())
+    fixed = subprocess.run([sys.executable, "-c", "print(hash('bitdet'))"], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONHASHSEED": "0"}).stdout
+    assert (worker["hash_randomization"], worker["hash"], worker["env"]) == (0, int(fixed), "0")
+    starts = (tmp_path / "starts").read_text().split()
+    assert len(starts) == 2 and set(starts) == {str(worker["pid"])}
+
+
+@pytest.mark.timeout(90)
+def test_torchrun_rank_that_ignores_pythonhashseed_is_refused_with_the_launcher_fix(tmp_path):
+    """``python -E`` ignores PYTHONHASHSEED even after the re-exec: exit 2, saying what to change."""
+    code = ("from megatron_bitdet.cli import main; "
+            f"sys.exit(main(['train', '--recipe', 'nemotron_h_tiny', '--nproc', '1', '--run-dir', {str(tmp_path / 'run')!r}, 'parallel.expert=1']))")
+    proc = _torchrun_rank(tmp_path, code, "-E")
+    assert proc.returncode == 2, proc.stderr
+    assert "PYTHONHASHSEED=0 torchrun" in proc.stderr and "-E" in proc.stderr and "Traceback" not in proc.stderr
+    assert len((tmp_path / "starts").read_text().split()) == 2  # refused after one re-exec, not in a loop
+
+
+@pytest.mark.parametrize("worker, backend, expected", [
+    ("cuda_order", "gloo", ["enforce", "set_device(0)", "worker"]),
+    ("cuda_order_own_group", None, ["worker"]),  # Megatron-LM sets the device after its own enforcement hook
+])
+def test_rank_touches_cuda_only_after_enforcement(worker, backend, expected, monkeypatch):
+    """Stand-in for a CUDA machine (absent here): ``is_available`` says yes, ``set_device`` (which
+    creates the CUDA context) is recorded. A context made before enforcement would have read
+    CUDA_DEVICE_MAX_CONNECTIONS and cuBLAS's workspace before they were set."""
+    import torch
+
+    import dist_workers
+    from megatron_bitdet.train.launch import run_rank
+
+    monkeypatch.syspath_prepend(TESTS)
+    monkeypatch.setattr(dist_workers, "CUDA_EVENTS", events := [])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: events.append(f"set_device({d})"))
+    for k, v in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                 "MASTER_PORT": str(_free_port())}.items():
+        monkeypatch.setenv(k, v)
+    assert run_rank(f"dist_workers:{worker}", {}, backend=backend) == 0
+    assert events == expected

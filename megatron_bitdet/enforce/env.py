@@ -7,6 +7,7 @@ rule decides, so the refusal carries the rule's why/fix and the rule's opt-out a
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from typing import Callable, Mapping, Optional
 
@@ -51,6 +52,31 @@ def _positive_int(v: str) -> bool:
     return v.isdigit() and int(v) > 0
 
 
+def hash_seed_in_effect() -> Optional[str]:
+    """The PYTHONHASHSEED this interpreter hashes str/bytes with, or None when randomized. Python
+    fixes it at start-up, so it is read from the environment the process started with (Linux
+    /proc/self/environ), not from os.environ, which bitdet or a script may have changed since."""
+    if not sys.flags.hash_randomization:
+        return "0"
+    if sys.flags.ignore_environment:  # python -E / -I
+        return None
+    try:
+        with open("/proc/self/environ", "rb") as fh:
+            start = fh.read().split(b"\0")
+    except OSError:
+        return None
+    seed = next((kv[len(b"PYTHONHASHSEED="):] for kv in start if kv.startswith(b"PYTHONHASHSEED=")), b"")
+    return str(int(seed)) if seed.isdigit() else None
+
+
+def _one_cuda_connection(recipe) -> Optional[str]:
+    """megatron's tensor/context-parallel overlap relies on one CUDA connection (kernels and collectives
+    start in launch order); Megatron-LM asserts it before Blackwell. Set for every GPU generation (the
+    architecture is unknown until CUDA initializes, which must come after this); a launcher value stays."""
+    p = getattr(recipe, "parallel", None)
+    return "1" if p is not None and (p.tensor > 1 or p.context > 1) else None
+
+
 @dataclass(frozen=True)
 class EnvVar:
     name: str
@@ -60,6 +86,7 @@ class EnvVar:
     read_by: str                    # reader key for late-application checks (see enforce.late)
     why: str
     governed_by: Optional[str] = None
+    layout_default: Optional[Callable] = None  # recipe -> a default when the layout needs one (else None)
 
 
 ENV_TABLE = (
@@ -93,7 +120,8 @@ ENV_TABLE = (
     EnvVar("MKL_NUM_THREADS", None, _positive_int, "a positive integer", "openmp",
            "recorded: as OMP_NUM_THREADS for MKL kernels"),
     EnvVar("CUDA_DEVICE_MAX_CONNECTIONS", None, _positive_int, "a positive integer", "cuda",
-           "recorded: changes kernel/communication overlap scheduling in megatron"),
+           "changes kernel/communication overlap scheduling in megatron (1 with tensor/context parallelism)",
+           layout_default=_one_cuda_connection),
 )
 ENV_BY_NAME = {v.name: v for v in ENV_TABLE}
 # Tests and benchmarks only: route reductions over an emulated physical ring chosen by this seed
@@ -106,6 +134,7 @@ EMULATED_RING_ENV = "BITDET_EMULATED_RING"
 class EnvSetting:
     value: Optional[str]
     source: str  # launcher | recipe | default | unset
+    in_effect: bool = True  # False: PYTHONHASHSEED set after this interpreter started (its children get it)
 
 
 def resolve_env(recipe, environ: Mapping[str, str]):
@@ -124,15 +153,13 @@ def resolve_env(recipe, environ: Mapping[str, str]):
             problems.append((var.name, f"the launcher sets {var.name}={launcher!r} but "
                              f"{recipe.where('determinism', 'env', var.name)} sets {mine!r}",
                              "make them agree: a launcher value is never overwritten"))
-        if launcher is not None:
-            settings[var.name] = EnvSetting(launcher, "launcher")
-        elif mine is not None:
-            settings[var.name] = EnvSetting(mine, "recipe")
-        elif var.default is not None:
-            settings[var.name] = EnvSetting(var.default, "default")
-        else:
-            settings[var.name] = EnvSetting(None, "unset")
-        value = settings[var.name].value
+        default = var.default if var.default is not None else var.layout_default and var.layout_default(recipe)
+        value, source = next(((v, src) for v, src in ((launcher, "launcher"), (mine, "recipe"), (default, "default"))
+                              if v is not None), (None, "unset"))
+        # str hashing is fixed when the interpreter starts: a seed set now reaches only its children
+        in_effect = var.name != "PYTHONHASHSEED" or value is None or not value.isdigit() \
+            or hash_seed_in_effect() == str(int(value))
+        settings[var.name] = EnvSetting(value, source, in_effect)
         if value is not None and not var.valid(value):
             where = "the launcher" if launcher is not None else recipe.where("determinism", "env", var.name)
             problems.append((var.name, f"{var.name}={value!r} (from {where}) is refused; accepted: {var.accepted}",

@@ -5,7 +5,6 @@ anything read it). Each reader says how to tell it already ran and whether that 
 """
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass
 from typing import Callable
 
@@ -39,9 +38,9 @@ READERS = {r.key: r for r in (
     Reader("inductor", lambda f: "torch._inductor.config" in f.imported, lambda f: True,
            "torch._inductor.config is already imported (it reads TORCHINDUCTOR_* at import)",
            "call enable() before torch.compile / importing torch._inductor"),
-    Reader("python", lambda f: sys.flags.hash_randomization == 1, lambda f: False,
-           "this interpreter started without PYTHONHASHSEED (its own str hashes stay randomized; "
-           "only child processes get the new value)", "export PYTHONHASHSEED=0 in the launcher"),
+    Reader("cuda", lambda f: f.cuda_initialized, lambda f: True,
+           "CUDA is already initialized (the context read CUDA_DEVICE_MAX_CONNECTIONS when it was created)",
+           "call enable() before the first CUDA call, or export the variable in the launcher"),
 )}
 
 
@@ -53,6 +52,12 @@ def late_application(settings, environ, facts: Facts):
         if setting.value is not None and environ.get(name) != setting.value:
             changed.setdefault(ENV_BY_NAME[name].read_by, []).append(name)
     refusals, warnings = [], []
+    for name, setting in settings.items():
+        if not setting.in_effect:  # python: read once, when the interpreter started
+            warnings.append(f"this interpreter started with randomized str hashing, so {name}={setting.value} "
+                            f"reaches only the processes it starts (recorded as not in effect); start it with "
+                            f"the variable exported and without python -E/-I: {name}={setting.value} torchrun ... "
+                            "(bitdet's own launchers re-execute a rank for you)")
     if facts.dist_backend is not None and not READERS["nccl"].fatal(facts):
         warnings.append(f"a {facts.dist_backend} process group already exists: harmless ({facts.dist_backend} "
                         "reads none of the determinism variables), but create NCCL groups only after enable()")

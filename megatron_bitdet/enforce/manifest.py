@@ -106,7 +106,8 @@ def build_manifest(recipe, enforcement, *, world_size: int, argv=None, extra=Non
         "scope": build_scope(recipe, world_size=world_size, threads=enforcement.threads, placement=placement,
                              model_provider=model_provider),
         "placement": placement,
-        "env": {name: {"value": s.value, "source": s.source} for name, s in enforcement.env.items()},
+        "env": {name: {"value": s.value, "source": s.source, **({} if s.in_effect else {"in_effect": False})}
+                for name, s in enforcement.env.items()},
         "rules": enforcement.rules.as_manifest(),
         "patches": list(enforcement.patches),
         "warnings": list(enforcement.warnings),

@@ -93,8 +93,10 @@ def run(script: str, rest: list[str], *, check: bool = False) -> int:
     opts = preparse(rest)
     base = load_base_recipe(opts)
     mode = bool(opts.deterministic_mode or (base is not None and base.determinism.mode and check))
-    if mode and not check:
-        os.environ.update(canonical_env(base))
+    if mode and not check:  # under torchrun: re-executes this rank if its str hashing is not the canonical one
+        from megatron_bitdet.train.launch import adopt_env
+
+        adopt_env(canonical_env(base))
     script = os.path.abspath(script)
     sys.path.append(os.path.dirname(script))  # after site-packages: megatron.core stays the installed wheel
     import torch

@@ -18,9 +18,10 @@ which rank failed and showing the last lines of its stderr. Rank 0 streams to th
 ``run_dir`` every rank's stdout+stderr also goes to ``RUN_DIR/logs/rank_XXXXX.log``.
 
 Under torchrun (RANK, WORLD_SIZE, LOCAL_RANK already set) nothing is spawned: the worker runs in
-this process for this rank (``env`` is applied to ``os.environ`` first, which only reaches libraries
-not yet initialized; export determinism variables before torchrun for full effect), and torchrun's
-own ``--log-dir``/``--tee`` handle logs.
+this process for this rank (``env`` is applied to ``os.environ`` first, which reaches libraries not yet
+initialized; a rank whose str hashing is not ``env``'s PYTHONHASHSEED is re-executed in place, see
+:func:`adopt_env`), and torchrun's own ``--log-dir``/``--tee`` handle logs. Nothing here touches CUDA
+before the worker's ``before_process_group`` hook (enforcement) has run.
 """
 from __future__ import annotations
 
@@ -45,6 +46,7 @@ TAIL_LINES = 20
 TERMINATE_GRACE_S = 5.0
 CULPRIT_GRACE_S = 1.0
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
+_REEXEC_MARK = "BITDET_REEXECUTED"  # set across adopt_env's one re-exec of a rank
 
 
 def under_torchrun(environ=None) -> bool:
@@ -97,14 +99,14 @@ def run_rank(worker_path: str, args, backend: str | None = None, *, fresh_interp
         import torch.distributed as dist
 
         rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-        backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
         before = getattr(fn, "before_process_group", None)
-        if before is not None:  # e.g. determinism enforcement: must precede communicator creation
+        if before is not None:  # determinism enforcement: before the CUDA context and the communicators
             before(rank, world, **args) if isinstance(args, dict) else before(rank, world, *args)
-        if not getattr(fn, "owns_process_group", False):  # e.g. Megatron-LM's initialize creates its own
-            dist.init_process_group(backend, rank=rank, world_size=world)
+        if not getattr(fn, "owns_process_group", False):  # e.g. Megatron-LM's initialize: device and group
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+            dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"),
+                                    rank=rank, world_size=world)
     result = fn(rank, world, **args) if isinstance(args, dict) else fn(rank, world, *args)
     # Teardown only on success: destroying the group while raising would make the peers fail
     # first and hide which rank was the culprit (the launcher names the first rank to exit).
@@ -257,9 +259,32 @@ def launch(worker_fn_path: str, nproc: int, args, *, backend: str | None = None,
         world = int(os.environ["WORLD_SIZE"])
         if world != nproc:
             raise BitdetInputError(f"torchrun started {world} processes but this run needs {nproc}")
-        os.environ.update(env or {})
+        adopt_env(env or {})
         return run_rank(worker_fn_path, args, backend)
     return _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank)
+
+
+def adopt_env(env: dict) -> None:
+    """Put ``env`` into this already-started rank (torchrun's). ``os.environ`` reaches the libraries
+    that read it at first use, but str hashing was fixed when the interpreter started: a rank that does
+    not hash with the PYTHONHASHSEED asked for is re-executed, same command line, with ``env`` in place
+    (same PID, so torchrun keeps supervising it). If even that does not take, refuse with the fix."""
+    from megatron_bitdet.enforce.env import hash_seed_in_effect
+
+    os.environ.update(env)
+    wanted = env.get("PYTHONHASHSEED")
+    if wanted is None or not wanted.isdigit() or hash_seed_in_effect() == str(int(wanted)):
+        os.environ.pop(_REEXEC_MARK, None)
+        return
+    if os.environ.get(_REEXEC_MARK):
+        raise BitdetInputError(
+            f"this rank still hashes str randomly after a re-exec with PYTHONHASHSEED={wanted} (python -E or -I "
+            f"ignores the variable): start every rank with it exported and without -E/-I, e.g. "
+            f"PYTHONHASHSEED={wanted} torchrun ...")
+    os.environ[_REEXEC_MARK] = "1"
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)
 
 
 def _child_main(argv: list[str]) -> int:
