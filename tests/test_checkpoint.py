@@ -106,41 +106,23 @@ def test_changed_metadata_is_refused_before_launch(reference_run, tmp_path, caps
     assert not (tmp_path / "run").exists()
 
 
-class GroupStepAdam(torch.optim.Optimizer):
-    """The step bookkeeping of TE's FusedAdam (megatron's optimizer when TE is present), which does not
-    run on CPU: ``group["step"]`` counts the steps, no per-parameter step exists."""
-
-    def __init__(self, params, lr=1e-3):
-        super().__init__(params, {"lr": lr})
-
-    def step(self, closure=None):
-        for group in self.param_groups:
-            group["step"] = group.get("step", 0) + 1
-            for p in group["params"]:
-                self.state[p].setdefault("exp_avg", torch.zeros_like(p))
-
-
 class Wrapped:  # what restore_adam_steps reads of megatron's optimizer: ``.optimizer``
     def __init__(self, inner):
         self.optimizer = inner
 
 
-@pytest.mark.parametrize("kind", ["torch_adam", "fused_adam_style"])
-def test_restored_step_is_kept_where_the_optimizer_counts_it(kind):
-    """torch Adam: the per-param step is set, the group copy dropped; a FusedAdam-style optimizer
-    keeps the restored group step (dropping it would restart the bias correction on a GPU resume)."""
+def test_restored_torch_adam_step_is_per_param():
+    """torch Adam: the per-param step is set, the group copy megatron serializes dropped (the FusedAdam
+    layout, whose step is the group's: tests/test_fused_adam_resume.py)."""
     from megatron_bitdet.compat.checkpoint import restore_adam_steps
 
     p = torch.nn.Parameter(torch.ones(2))
-    inner = torch.optim.Adam([p]) if kind == "torch_adam" else GroupStepAdam([p])
+    inner = torch.optim.Adam([p])
     p.grad = torch.ones(2)
     for _ in range(3):
         inner.step()
     saved = inner.state_dict()
-    saved["param_groups"][0]["step"] = 3.0 if kind == "torch_adam" else 3  # megatron's serialized copy
+    saved["param_groups"][0]["step"] = 3.0  # megatron's serialized copy
     inner.load_state_dict(saved)
     restore_adam_steps(Wrapped(inner), {"param_groups": saved["param_groups"]})
-    if kind == "torch_adam":
-        assert "step" not in inner.param_groups[0] and inner.state[p]["step"].item() == 3.0
-    else:
-        assert inner.param_groups[0]["step"] == 3 and "step" not in inner.state[p]
+    assert "step" not in inner.param_groups[0] and inner.state[p]["step"].item() == 3.0
