@@ -276,10 +276,10 @@ def test_megatron_seams():
         args = parser.parse_args(["--deterministic-mode", "--recipe", "r.yaml", "--bitdet-override", "a=1"])
         assert (args.deterministic_mode, args.recipe, args.bitdet_override) == (True, "r.yaml", ["a=1"])
     assert apply_to_megatron_args(argparse.Namespace(deterministic_mode=False)).deterministic_mode is True
-    with pytest.raises(DeterminismViolation, match=r"\[moe_router_fusion\] --moe-router-fusion is set"):
-        apply_to_megatron_args(argparse.Namespace(moe_router_fusion=True, cross_entropy_loss_fusion=False))
+    with pytest.raises(DeterminismViolation, match=r"\[cross_entropy_loss_fusion\] --cross-entropy-loss-fusion is set"):
+        apply_to_megatron_args(argparse.Namespace(moe_router_fusion=True, cross_entropy_loss_fusion=True))
     opted = load_recipe(os.path.join(DATA, "router_fusion_opt_out.yaml"))
-    assert apply_to_megatron_args(argparse.Namespace(moe_router_fusion=True), opted).deterministic_mode
+    assert apply_to_megatron_args(argparse.Namespace(moe_router_fusion=True), opted).moe_router_fusion is True
 
 
 def _bitdet(*args, env=None):

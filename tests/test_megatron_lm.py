@@ -12,11 +12,13 @@ import json
 import os
 import re
 import shlex
+import sys
 from pathlib import Path
 
 import pytest
 
 from megatron_bitdet.cli import main as bitdet
+from test_audit import te_mamba_specs  # noqa: F401 - the TE stand-in spec module, a fixture
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = [
@@ -139,26 +141,85 @@ def test_check_lists_every_violation_at_once(capsys):
     assert rc == 2
     for rule in OPTED:
         assert f"[{rule}]" in out
-    # refused together; the router fusion and TE grouped GEMM have deterministic variants, listed as swaps
+    # refused together; the router fusion has a deterministic variant, listed as swapped. The local spec
+    # holds SequentialMLP whatever --moe-grouped-gemm says: the audit names what runs, and nothing fires
     assert "3 feature(s) have no deterministic path" in out
-    assert "swapped [moe_router_fusion]" in out and "swapped [te_grouped_gemm]" in out
+    assert "swapped [moe_router_fusion]" in out and "swapped [te_grouped_gemm]" not in out
+    assert "runs [te_grouped_gemm] moe_layer.mlp.experts: megatron.core.transformer.moe.experts:SequentialMLP" in out
 
 
-def test_check_with_opt_outs_passes_and_manifest_records_them(tmp_path, capsys):
-    recipe = tmp_path / "opt_out.yaml"
-    recipe.write_text(
-        "name: opt-out\nmodel: {hybrid_pattern: 'M*-E', hidden_size: 64, ffn_hidden_size: 128,\n"
+def line_recipe(path: Path, determinism: str) -> Path:
+    """A recipe agreeing with the README's launch line, with the given determinism section."""
+    path.write_text(
+        "name: line\nmodel: {hybrid_pattern: 'M*-E', hidden_size: 64, ffn_hidden_size: 128,\n"
         "  num_attention_heads: 4, seq_length: 64, vocab_size: 256, moe: {num_experts: 4, ffn_hidden_size: 64}}\n"
-        "determinism:\n  opt_out: [cross_entropy_loss_fusion, moe_permute_fusion, moe_router_fusion,\n"
-        "            tp_comm_overlap, te_grouped_gemm]\n")
+        f"determinism: {determinism}\n")
+    return path
+
+
+def opt_out_recipe(path: Path, rules) -> Path:
+    return line_recipe(path, f"{{opt_out: [{', '.join(sorted(rules))}]}}")
+
+
+def test_check_refuses_an_opt_out_megatron_itself_asserts_then_passes_and_records_the_rest(tmp_path, capsys):
+    """Megatron-LM's validate_args asserts --cross-entropy-loss-fusion off in deterministic mode: the
+    launch line dies there whatever the recipe accepts, so --check cannot pass it."""
+    recipe = opt_out_recipe(tmp_path / "opt_out.yaml", OPTED)
+    rc = bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, *FUSIONS, "--recipe", str(recipe)])
+    out = capsys.readouterr().out
+    assert rc == 2, out
+    assert "1 feature(s) have no deterministic path" in out
+    assert "[cross_entropy_loss_fusion] model.cross_entropy_loss_fusion is true, opted out at" in out
+    assert "Megatron-LM's validate_args asserts it off in deterministic mode" in out
+    others = OPTED - {"cross_entropy_loss_fusion"}
+    fusions = [f for f in FUSIONS if f != "--cross-entropy-loss-fusion"]
     rc = bitdet(["megatron-lm", "--check", "--run-dir", str(tmp_path / "run"), script("pretrain_mamba.py"),
-                 *MAMBA, *FUSIONS, "--recipe", str(recipe)])
+                 *MAMBA, *fusions, "--recipe", str(opt_out_recipe(tmp_path / "others.yaml", others))])
     out = capsys.readouterr().out
     assert rc == 0, out
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
-    assert {o["id"] for o in manifest["rules"]["opt_outs"]} == OPTED
-    assert all(f"opted out [{rule}]" in out for rule in OPTED)
+    # te_grouped_gemm does not fire (the local spec holds SequentialMLP), so its opt-out records nothing
+    assert {o["id"] for o in manifest["rules"]["opt_outs"]} == others - {"te_grouped_gemm"}
+    assert all(f"opted out [{rule}]" in out for rule in others - {"te_grouped_gemm"})
     assert manifest["megatron_lm"]["check"] is True
+
+
+TE_SPEC = ["--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]
+
+
+def te_spec_line() -> list:
+    """The README's launch line on megatron-core's own TE Mamba spec (no --moe-grouped-gemm)."""
+    i = MAMBA.index("--spec")
+    return [*MAMBA[:i], *TE_SPEC, *MAMBA[i + 3:]]
+
+
+@pytest.mark.parametrize("stand_in", [False, True], ids=["cpu", "te_stand_in"])
+def test_check_names_the_grouped_experts_class_of_megatrons_te_mamba_spec(stand_in, tmp_path, capsys, request,
+                                                                        monkeypatch):
+    """The spec builds its experts at import whatever the flags say: GroupedMLP here (TE absent), TEGroupedMLP
+    with TE (test_audit's TE grouped-linear stand-in, the spec module executed afresh with it); --check
+    names that class as swapped, the manifest records GroupedProbMLP running there; without swaps it is
+    refused by name."""
+    expected = "TEGroupedMLP" if stand_in else "GroupedMLP"
+    if stand_in:
+        monkeypatch.setitem(sys.modules, TE_SPEC[1], request.getfixturevalue("te_mamba_specs"))
+    rc = bitdet(["megatron-lm", "--check", "--run-dir", str(tmp_path / "run"), script("pretrain_mamba.py"),
+                 *te_spec_line()])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert (f"swapped [te_grouped_gemm] moe_layer.mlp.experts is megatron.core.transformer.moe.experts:{expected}"
+            " -> deterministic variant 'grouped_gemm_dprob'") in out
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    [runs] = manifest["rules"]["runs"]["te_grouped_gemm"]
+    assert runs == {"position": "moe_layer.mlp.experts", "runs": "megatron_bitdet.kernels.grouped_mlp:GroupedProbMLP",
+                    "source": None}
+    assert manifest["recipe"]["model"]["moe"]["expert_impl"] == "te_grouped"
+    assert manifest["recipe"]["model"]["spec"] == "te" and manifest["megatron_lm"]["spec_family"] == "te"
+    recipe = line_recipe(tmp_path / "no_swaps.yaml", "{swaps: false}")
+    rc = bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *te_spec_line(), "--recipe", str(recipe)])
+    out = capsys.readouterr().out
+    assert rc == 2
+    assert f"[te_grouped_gemm] moe_layer.mlp.experts is megatron.core.transformer.moe.experts:{expected}" in out
 
 
 def test_check_clean_line_exits_0(capsys):

@@ -18,7 +18,7 @@ SYMPTOM_FIELDS = {
     "deterministic_variant": list,
 }
 FIRST_STEPS = ("start", "after_restore", "later")
-ENTRY_KEYS = ("id", "title", "mechanism", "symptom", "fix", "rules", "next", "references")
+ENTRY_KEYS = ("id", "title", "mechanism", "symptom", "fix", "rules", "next", "references", "implementations")
 CHANGE_KEYS = ("key", "env", "value", "kind", "what")
 FIX_KINDS = ("corrects", "works_around")
 
@@ -33,6 +33,7 @@ class Entry:
     rules: tuple
     next: str
     references: tuple
+    implementations: tuple = ()  # 'module:attr' classes / functions that are this source (enforce.audit)
 
 
 @dataclass(frozen=True)
@@ -98,8 +99,11 @@ def _entry(source: str, i: int, raw) -> Entry:
     rules, refs = raw.get("rules") or [], raw.get("references") or []
     if not isinstance(rules, list) or not isinstance(refs, list):
         raise _bad(source, f"{where}.rules/references", "expected lists")
+    impls = raw.get("implementations") or []
+    if not isinstance(impls, list) or not all(isinstance(i, str) and i.count(":") == 1 for i in impls):
+        raise _bad(source, f"{where}.implementations", "expected a list of 'module:attr' strings")
     return Entry(raw["id"], raw["title"], raw["mechanism"].strip(), symptom, fix, tuple(rules), raw["next"],
-                 tuple(map(str, refs)))
+                 tuple(map(str, refs)), tuple(impls))
 
 
 def _fix_change(source: str, i: int, raw) -> FixChange:

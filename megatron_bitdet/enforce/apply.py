@@ -1,6 +1,7 @@
 """``enable()``: validate everything first, refuse all violations together, then mutate process state."""
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 
@@ -24,17 +25,18 @@ class Enforcement:
     patches: list = field(default_factory=list)  # records of the patches installed for rules.swaps
 
 
-def plan(recipe, environ=None, available_swaps=None, *, late=True):
+def plan(recipe, environ=None, available_swaps=None, *, late=True, runs=None):
     """(env settings, rule outcome, violations, warnings) without changing anything.
     late=False skips the late-application checks (for judging a recipe outside the training process).
-    ``available_swaps`` defaults to every patch declared in ``patches/``."""
+    ``available_swaps`` defaults to every patch declared in ``patches/``. ``runs``: what the built-model
+    audit found will run, per rule (``enforce.audit.by_rule``); those rules judge it, not the flags."""
     environ = os.environ if environ is None else environ
     if available_swaps is None:
         from megatron_bitdet.compat.patching import declared_ids
 
         available_swaps = declared_ids()
     settings, env_problems = resolve_env(recipe, environ)
-    facts = collect_facts(effective_env(settings))
+    facts = dataclasses.replace(collect_facts(effective_env(settings)), runs=dict(runs or {}))
     outcome = evaluate_rules(recipe, facts, available_swaps)
     refusals, warnings = late_application(settings, environ, facts) if late else ([], [])
     violations = [Violation(f"env:{name}", message, ENV_BY_NAME[name].why, fix)

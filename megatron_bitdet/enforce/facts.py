@@ -45,6 +45,9 @@ class Facts:
     cuda_initialized: bool = False
     dist_backend: Optional[str] = None  # backend of an existing default process group
     imported: frozenset = frozenset()   # WATCHED_MODULES already imported
+    # rule id -> enforce.audit Findings of what will run at the positions that rule judges (a rule
+    # listed here judges them instead of the recipe's flag); empty: nothing was audited
+    runs: Mapping[str, tuple] = field(default_factory=dict)
 
     def has(self, package: str) -> bool:
         return self.versions.get(package) is not None

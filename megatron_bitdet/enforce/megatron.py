@@ -15,33 +15,78 @@ MEGATRON_FLAG_RULES = {
     "moe_router_fusion": "moe_router_fusion",
     "moe_permute_fusion": "moe_permute_fusion",
     "moe_grouped_gemm": "te_grouped_gemm",
+    "use_flash_attn": "flash_attention",
+}
+# rules Megatron-LM's own validate_args asserts in deterministic mode (core_v0.16.1 arguments.py): an
+# opt-out cannot make such a launch line run
+MEGATRON_LM_ASSERTS = {
+    "cross_entropy_loss_fusion": "Cross Entropy Fusion is currently not deterministic.",
+    "flash_attention": "Flash attention can not be used in deterministic mode.",
 }
 
 
-def megatron_overrides(recipe, swapped=()) -> dict:
-    """TransformerConfig kwargs that carry the recipe's determinism decisions into megatron-core.
-    ``swapped``: rule ids resolved by a swap — their megatron feature is switched off, because the
-    deterministic variant (patched in) takes its place."""
-    moe, swapped = recipe.model.moe, set(swapped)
-    return {
-        "deterministic_mode": bool(recipe.determinism.mode),
+def _resolve(rid: str, determinism) -> str:
+    from megatron_bitdet.compat.patching import declared_ids
+    from megatron_bitdet.enforce.rules import resolution
+
+    return resolution(RULES_BY_ID[rid], determinism, declared_ids())
+
+
+def _refuse(outcomes) -> None:
+    bad = [Violation(rid, message, RULES_BY_ID[rid].why, RULES_BY_ID[rid].fix)
+           for rid, (message, how) in outcomes.items() if how == "refuse"]
+    if bad:
+        raise DeterminismViolation(bad)
+
+
+def megatron_overrides(recipe, swapped=None) -> dict:
+    """TransformerConfig kwargs carrying the recipe's determinism decisions into megatron-core, resolved
+    as enable() resolves them: a feature whose rule a swap resolves is switched off (the deterministic
+    variant takes its place), an opted-out one stays on, a refused one raises DeterminismViolation.
+    ``swapped`` (default: what enable() resolves here) narrows the swaps to an enforcement's own.
+    A Mamba mixer takes the split path: the memory-efficient path's fused function runs its own conv
+    backward, which neither the causal_conv1d swap nor the rule on the conv can reach."""
+    from megatron_bitdet.enforce.facts import Facts
+
+    moe, mode = recipe.model.moe, bool(recipe.determinism.mode)
+    outcomes = {}
+    for rid in dict.fromkeys(MEGATRON_FLAG_RULES.values()) if mode else ():
+        message = RULES_BY_ID[rid].detects(recipe, Facts())
+        if message:
+            how = _resolve(rid, recipe.determinism)
+            outcomes[rid] = (message, "refuse" if how == "swap" and swapped is not None and rid not in swapped
+                             else how)
+    _refuse(outcomes)
+    on = {rid for rid, (_, how) in outcomes.items() if how == "swap"}
+    overrides = {
+        "deterministic_mode": mode,
         "cross_entropy_loss_fusion": recipe.model.cross_entropy_loss_fusion,
         "tp_comm_overlap": recipe.parallel.tp_comm_overlap,
-        "moe_router_fusion": moe.router_fusion and "moe_router_fusion" not in swapped,
+        "moe_router_fusion": moe.router_fusion and "moe_router_fusion" not in on,
         "moe_permute_fusion": moe.permute_fusion,
-        "moe_grouped_gemm": moe.expert_impl == "te_grouped" and "te_grouped_gemm" not in swapped,
+        "moe_grouped_gemm": moe.expert_impl == "te_grouped" and "te_grouped_gemm" not in on,
     }
+    if mode and recipe.model.has("M"):
+        overrides["use_mamba_mem_eff_path"] = False
+    return overrides
 
 
 def apply_to_megatron_args(args, recipe=None):
-    """Set ``args.deterministic_mode`` on a Megatron-LM Namespace; refuse flags without a deterministic
-    path (upstream's asserts plus bitdet's), unless the recipe opts out of the rule. Returns args."""
-    opted = set(recipe.determinism.opt_out) if recipe is not None else set()
-    bad = [Violation(rid, f"--{flag.replace('_', '-')} is set", RULES_BY_ID[rid].why, f"drop --{flag.replace('_', '-')}")
-           for flag, rid in MEGATRON_FLAG_RULES.items() if getattr(args, flag, False) and rid not in opted]
-    if bad:
-        raise DeterminismViolation(bad)
+    """Set ``args.deterministic_mode`` on a Megatron-LM Namespace and resolve every flag without a
+    deterministic path as enable() does: swapped (the flag switched off; enable() installs the variant),
+    opted out (kept), or refused (DeterminismViolation, every one at once). Mamba mixers take the split
+    path (see :func:`megatron_overrides`). Returns args."""
+    from megatron_bitdet.recipe.schema import DeterminismConfig
+
+    determinism = recipe.determinism if recipe is not None else DeterminismConfig()
+    flags = {rid: flag for flag, rid in MEGATRON_FLAG_RULES.items() if getattr(args, flag, False)}
+    outcomes = {rid: (f"--{flag.replace('_', '-')} is set", _resolve(rid, determinism)) for rid, flag in flags.items()}
+    _refuse(outcomes)
+    for rid, (_, how) in outcomes.items():
+        if how == "swap":
+            setattr(args, flags[rid], False)
     args.deterministic_mode = True
+    args.use_mamba_mem_eff_path = False
     return args
 
 

@@ -43,6 +43,22 @@ def _flag(test, message):
     return message if test else None
 
 
+def _audited(rule_id: str, r, f, fallback: bool, message: str):
+    """What will run decides where the audit looked (``f.runs``): the known nondeterministic
+    implementations it found, by position and class; elsewhere the recipe's flag."""
+    if rule_id in f.runs:
+        found = [x for x in f.runs[rule_id] if x.source]
+        return "; ".join(f"{x.position} is {x.runs}" for x in found) or None
+    return _flag(fallback, message)
+
+
+def _te_attention_runs(r, f):
+    if f.env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") == "0":
+        return None
+    found = _audited("te_attention_nondeterministic", r, f, _te_attention(r, f), "TE attention (the te spec)")
+    return found and f"{found} with NVTE_ALLOW_NONDETERMINISTIC_ALGO={f.env.get('NVTE_ALLOW_NONDETERMINISTIC_ALGO')!r}"
+
+
 RULES = (
     Rule("cross_entropy_loss_fusion",
          lambda r, f: _flag(r.model.cross_entropy_loss_fusion, "model.cross_entropy_loss_fusion is true"),
@@ -71,7 +87,8 @@ RULES = (
          "fused; TE's fused unpermute merges top-k copies with its own reduction",
          "set model.moe.permute_fusion: false"),
     Rule("te_grouped_gemm",
-         lambda r, f: _flag(_moe(r) and r.model.moe.expert_impl == "te_grouped", "model.moe.expert_impl is te_grouped"),
+         lambda r, f: _audited("te_grouped_gemm", r, f, _moe(r) and r.model.moe.expert_impl == "te_grouped",
+                               "model.moe.expert_impl is te_grouped"),
          "TE / cuDNN-frontend grouped MLP backward adds each N-subtile's partial dprob into dprob[token] "
          "with a float atomic add",
          "set model.moe.expert_impl: grouped (bitdet private-slot grouped GEMM) or sequential",
@@ -104,10 +121,7 @@ RULES = (
          "deterministic=True, which megatron-core 0.16.1 does not pass (Megatron-LM refuses --use-flash-attn)",
          "set model.attention_backend: auto (TE then picks a deterministic backend under "
          "NVTE_ALLOW_NONDETERMINISTIC_ALGO=0) or unfused / local"),
-    Rule("te_attention_nondeterministic",
-         lambda r, f: _flag(_te_attention(r, f) and f.env.get("NVTE_ALLOW_NONDETERMINISTIC_ALGO") != "0",
-                            f"TE attention with NVTE_ALLOW_NONDETERMINISTIC_ALGO="
-                            f"{f.env.get('NVTE_ALLOW_NONDETERMINISTIC_ALGO')!r}"),
+    Rule("te_attention_nondeterministic", _te_attention_runs,
          "TE may then choose flash/fused attention backward kernels that accumulate dQ/dK/dV with atomics; "
          "megatron-core raises at layer build",
          "export NVTE_ALLOW_NONDETERMINISTIC_ALGO=0 (or unset it: the default is 0)"),
@@ -126,9 +140,10 @@ class RuleOutcome:
     opt_outs: list = field(default_factory=list)
     swaps: list = field(default_factory=list)
     violations: list = field(default_factory=list)
+    runs: dict = field(default_factory=dict)  # rule id -> [{position, runs, source}]: what the audit says runs
 
     def as_manifest(self) -> dict:
-        return {"applied": self.applied, "opt_outs": self.opt_outs, "swaps": self.swaps}
+        return {"applied": self.applied, "opt_outs": self.opt_outs, "swaps": self.swaps, "runs": self.runs}
 
 
 def check_opt_outs(recipe) -> None:
@@ -140,19 +155,30 @@ def check_opt_outs(recipe) -> None:
         raise RecipeError(lines)
 
 
+def resolution(rule: Rule, determinism, available_swaps) -> str:
+    """How a fired rule is resolved under a recipe's determinism section: "opt_out", "swap" or "refuse"
+    (one truth for enable(), megatron_overrides and apply_to_megatron_args)."""
+    if rule.id in determinism.opt_out:  # an explicit acceptance beats a swap
+        return "opt_out"
+    if rule.swap and rule.swap in available_swaps and determinism.swaps:
+        return "swap"
+    return "refuse"
+
+
 def evaluate_rules(recipe, facts: Facts, available_swaps=frozenset()) -> RuleOutcome:
     """Evaluate every rule; a fired rule is opted out (recorded, warned), swapped (swap registered
     and determinism.swaps on), or a violation. Nothing is decided one rule at a time."""
     check_opt_outs(recipe)
-    out = RuleOutcome()
+    out = RuleOutcome(runs={rule: [x.as_dict() for x in found] for rule, found in facts.runs.items()})
     for rule in RULES:
         message = rule.detects(recipe, facts)
+        how = message and resolution(rule, recipe.determinism, available_swaps)
         if message is None:
             out.applied.append(rule.id)
-        elif rule.id in recipe.determinism.opt_out:  # an explicit acceptance beats a swap
+        elif how == "opt_out":
             out.opt_outs.append({"id": rule.id, "message": message, "why": rule.why,
                                  "where": recipe.where("determinism", "opt_out")})
-        elif rule.swap and rule.swap in available_swaps and recipe.determinism.swaps:
+        elif how == "swap":
             out.swaps.append({"id": rule.id, "swap": rule.swap, "message": message})
         else:
             fix = rule.fix if not rule.swap else (

@@ -46,6 +46,19 @@ class GroupedMLPConfig:
             raise BitdetInputError(f"dprob_tile_n must be a power of two >= 16, got {n}")
 
 
+def backend_unavailable(backend: str) -> str | None:
+    """Why a GPU backend cannot run in this process (None: it can): triton must import and CUDA exist."""
+    if backend == "torch":
+        return None
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return "the triton package is not installed (pip install '.[gpu]')"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    return None
+
+
 def _segment_mm(a, b, offs):
     return F.grouped_mm(a, b, offs=offs)
 

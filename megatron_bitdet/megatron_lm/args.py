@@ -203,14 +203,19 @@ def _same(a, b) -> bool:
 
 
 def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str | None = None,
-                     deterministic: bool = True):
+                     deterministic: bool = True, audited: dict | None = None):
     """The bitdet recipe of a Megatron-LM run: sections from the args, ``determinism`` from ``base``.
     Raises BitdetInputError naming both sides where ``base`` sets a key the args set differently.
     ``deterministic=False``: the run enforces nothing (no ``--deterministic-mode``), and its recipe
-    says so (``determinism.mode: false``), so the manifest's scope does not claim otherwise."""
+    says so (``determinism.mode: false``), so the manifest's scope does not claim otherwise.
+    ``audited``: recipe keys the spec audit read off what ``--spec`` will build (``model.spec``,
+    ``model.moe.expert_impl``); they beat the flags, which do not decide them."""
     from megatron_bitdet.recipe import Recipe, RecipeError
 
     derived = derived_dict(args)
+    for key, value in (audited or {}).items():
+        if key != "model.moe.expert_impl" or getattr(args, "num_experts", None):
+            _set(derived, key, value)
     conflicts = []
     if base is not None:
         base_dict = base.to_dict()
@@ -224,6 +229,8 @@ def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str 
             if row.key == "model.moe.expert_impl" and (mine, theirs) == ("grouped", "sequential"):
                 _set(derived, row.key, mine)  # bitdet's grouped GEMM replaces SequentialMLP: no Megatron flag
                 continue
+            if row.key == "model.moe.expert_impl" and (mine, theirs) == ("grouped", "te_grouped"):
+                continue  # what the spec holds is recorded; the swap (or a refusal) decides what runs
             if theirs is not None and not _same(mine, theirs):
                 flag = row.flag or "(derived from the dtype / activation flags)"
                 conflicts.append(f"{base.where(*path)}: {row.key}: the recipe says {mine!r} but Megatron-LM's "

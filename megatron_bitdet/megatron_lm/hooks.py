@@ -8,7 +8,8 @@
 - ``build_train_valid_test_data_iterators``: creating the DataLoader iterator draws a seed from the CPU
   generator, which on CPU is also the generator dropout draws from; it draws on a saved-and-restored
   state here, so a resumed run's dropout stream equals the uninterrupted run's.
-- ``train_step``: one fingerprint line per step on every rank (the writer ``bitdet train`` uses), and
+- ``train_step``: one fingerprint line per step on every rank (the writer and the device digests
+  ``bitdet train`` uses: launched in the step, read back after it), and
   the step's wall time in a file of its own (``timings``: the tax of a launch line); with ``--trace`` the
   steps in the window are traced as ``bitdet train`` traces them (``train.tracing``: phases forward /
   backward inside Megatron's forward_backward_func, grad_reduce, optimizer; bookkeeping untraced).
@@ -23,7 +24,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from megatron_bitdet.errors import DeterminismViolation
+from megatron_bitdet.errors import BitdetInputError, DeterminismViolation
 
 class CheckDone(Exception):
     """``--check`` finished judging the launch line: unwind out of the script with this exit code."""
@@ -48,12 +49,14 @@ class Session:
     patches: list = field(default_factory=list)
     writer: object = None
     rank: int = 0
-    grads_digest: str | None = None
+    digests: object = None               # this rank's StepDigests, made at the first step
+    iteration: int = 0                   # the step in flight (from 1)
     lr: float | None = None
     model: list | None = None
     clock: object = None
     tracer: object = None                # this rank's Tracer (--trace), made at the first step
     traced: object = None                # the tracer while a step inside its window runs, else None
+    built: dict | None = None            # the built-model audit (rule id -> what runs), after the build
 
     @property
     def trace(self):
@@ -105,30 +108,63 @@ def _chain(user_provider):
     return provider
 
 
-def derive_recipe(session, args):
+def derive_recipe(session, args, audited=None):
     from megatron_bitdet.megatron_lm.args import recipe_from_args
 
     data = "mock" if getattr(args, "mock_data", False) else " ".join(map(str, getattr(args, "data_path", None) or [])) or None
     return recipe_from_args(args, session.base, script=os.path.basename(session.script), data=data,
-                            deterministic=bool(args.deterministic_mode or session.check))
+                            deterministic=bool(args.deterministic_mode or session.check), audited=audited)
 
 
-def spec_family(args) -> str:
-    """The layer-spec family Megatron will build: bitdet's local spec, or TE's."""
-    spec = getattr(args, "spec", None) or ()
-    if spec and spec[0].startswith("megatron_bitdet"):
-        return "local"
-    return "local" if getattr(args, "transformer_impl", None) == "local" else "te"
+def launch_spec(args):
+    """The object ``--spec MODULE NAME`` names (what Megatron's builder will build from), or None."""
+    spec = getattr(args, "spec", None)
+    if not spec:
+        return None
+    from megatron.core.transformer.spec_utils import import_module
+
+    try:
+        return import_module(spec)
+    except Exception as exc:  # any import failure of the user's module is bad input
+        raise BitdetInputError(f"--spec {' '.join(spec)}: cannot import it: {exc}") from None
 
 
 def judge(session, args):
-    """The parsed args as a recipe, judged: (recipe, settings, outcome, violations, warnings)."""
-    from megatron_bitdet.enforce import plan
+    """The parsed args as a recipe, judged on what ``--spec`` will build (the audit), not only the flags:
+    (recipe, settings, outcome, violations, warnings). A rule Megatron-LM itself asserts in deterministic
+    mode cannot be opted out of."""
+    from megatron_bitdet.enforce import Violation, plan
+    from megatron_bitdet.enforce.audit import audit_spec, by_rule, recipe_keys
+    from megatron_bitdet.enforce.megatron import MEGATRON_LM_ASSERTS
+    from megatron_bitdet.enforce.rules import RULES_BY_ID
 
-    recipe = derive_recipe(session, args)
+    spec = launch_spec(args)
+    recipe = derive_recipe(session, args, recipe_keys(spec) if spec is not None else None)
     if not args.deterministic_mode and not session.check:
         return recipe, None
-    return recipe, plan(recipe, late=not session.check)
+    # deterministic mode routes Mamba mixers to the split path (megatron_overrides)
+    settings, outcome, violations, warnings = plan(
+        recipe, late=not session.check, runs=by_rule(audit_spec(spec, mem_eff_path=False)) if spec is not None else None)
+    violations += [Violation(o["id"], f"{o['message']}, opted out at {o['where']}; but Megatron-LM's validate_args "
+                                      f"asserts it off in deterministic mode ({MEGATRON_LM_ASSERTS[o['id']]!r})",
+                             RULES_BY_ID[o["id"]].why, RULES_BY_ID[o["id"]].fix)
+                   for o in outcome.opt_outs if o["id"] in MEGATRON_LM_ASSERTS]
+    return recipe, (settings, outcome, violations, warnings)
+
+
+def swap_spec(recipe, args, outcome, *, in_place: bool) -> None:
+    """A swap replaces what was built: where the rules resolved te_grouped_gemm by a swap, or the recipe
+    asks for ``expert_impl: grouped``, the experts ``--spec`` holds (it was built at its import, before
+    any patch) become GroupedProbMLP — in the object Megatron builds from, or, for --check, in a copy;
+    the outcome then records, per rule, what will run."""
+    from megatron_bitdet.enforce.audit import audit_spec, runs_record, swap_grouped_experts
+
+    spec = launch_spec(args)
+    if spec is None:
+        return
+    if any(s["id"] == "te_grouped_gemm" for s in outcome.swaps) or recipe.model.moe.expert_impl == "grouped":
+        spec, _ = swap_grouped_experts(spec, copy=not in_place, sequential=recipe.model.moe.expert_impl == "grouped")
+    outcome.runs = runs_record(audit_spec(spec, mem_eff_path=False))
 
 
 def _print_judgement(recipe, outcome, violations) -> None:
@@ -137,6 +173,8 @@ def _print_judgement(recipe, outcome, violations) -> None:
         print(f"opted out [{o['id']}] {o['message']} (accepted at {o['where']}: {o['why']})", file=out)
     for s in outcome.swaps:
         print(f"swapped [{s['id']}] {s['message']} -> deterministic variant '{s['swap']}'", file=out)
+    for rule, found in outcome.runs.items():
+        print(f"runs [{rule}] " + "; ".join(f"{f['position']}: {f['runs']}" for f in found), file=out)
     if violations:
         print(str(DeterminismViolation(violations)), file=out)
     else:
@@ -152,6 +190,7 @@ def check_launch(session, extra_args_provider) -> int:
     session.opts.run_dir = args.run_dir
     recipe, judged = judge(session, args)
     _, outcome, violations, _ = judged
+    swap_spec(recipe, args, outcome, in_place=False)
     _print_judgement(recipe, outcome, violations)
     if not violations and args.run_dir:
         from megatron_bitdet.enforce import Enforcement, write_manifest
@@ -173,7 +212,7 @@ def _manifest(session, enforcement, args, *, check: bool = False) -> dict:
     return build_manifest(
         session.recipe, enforcement, world_size=args.world_size, argv=session.argv,
         extra={"patches": session.patches, "cpu_backend_seams": cpu_backend.installed() + training_seams.installed(),
-               "megatron_lm": {"script": session.script, "check": check, "spec_family": spec_family(args)},
+               "megatron_lm": {"script": session.script, "check": check, "spec_family": session.recipe.model.spec},
                "trace": None if session.trace is None else session.trace.to_json()},
     )
 
@@ -195,14 +234,14 @@ def on_validate(session, args) -> None:
         if judged[2]:
             raise DeterminismViolation(judged[2])
         enforcement = enable(recipe, rank=args.rank, world_size=args.world_size)
-        swapped = [s["id"] for s in enforcement.rules.swaps]
-        for name, value in megatron_overrides(recipe, swapped).items():
-            if hasattr(args, name):
-                setattr(args, name, value)
+        for name, value in megatron_overrides(recipe).items():
+            setattr(args, name, value)  # core_transformer_config_from_args copies every config field args has
     session.enforcement = enforcement
     for warning in enforcement.warnings:
         print(f"[bitdet] warning: {warning}", file=sys.stderr, flush=True)
-    session.patches = patching.apply_for(recipe, family=spec_family(args), swaps=enforcement.rules.swaps)
+    session.patches = patching.apply_for(recipe, family=recipe.model.spec, swaps=enforcement.rules.swaps)
+    if judged is not None:
+        swap_spec(recipe, args, enforcement.rules, in_place=True)
     session.manifest = _manifest(session, enforcement, args)
     if args.rank == 0:
         from megatron_bitdet.enforce import write_manifest
@@ -210,20 +249,40 @@ def on_validate(session, args) -> None:
         write_manifest(session.run_dir, session.manifest)
 
 
+def audit_built(session, model) -> None:
+    """After the build, before the first step: the rules judge what the built chunks hold and call
+    (every violation at once); the manifest records it per rule (``rules.built``)."""
+    import torch
+
+    from megatron_bitdet.enforce import plan, write_manifest
+    from megatron_bitdet.enforce.audit import by_rule, runs_record, walk_built
+
+    findings = walk_built(model)
+    violations = plan(session.recipe, late=False, runs=by_rule(findings))[2]
+    if violations:
+        raise DeterminismViolation(violations)
+    session.built = runs_record(findings)
+    session.manifest["rules"]["built"] = session.built
+    if torch.distributed.get_rank() == 0:
+        write_manifest(session.run_dir, session.manifest)
+
+
 def _wrap_optimizer_step(session, optimizer) -> None:
-    """Grads are digested (untraced) right before the optimizer consumes them; lr is the one the step
-    used; in a traced step the step itself is the ``optimizer`` phase, as in ``bitdet train``."""
+    """The grads' digests are launched (untraced, on their device, no host sync: part of the step's
+    time) right before the optimizer consumes them; lr is the one the step used; in a traced step the
+    step itself is the ``optimizer`` phase, as in ``bitdet train``."""
     if getattr(optimizer, "_bitdet_wrapped", False):
         return
-    from megatron_bitdet.train.step_fingerprints import buffer_digest
+    from megatron_bitdet.train.step_fingerprints import StepDigests
     from megatron_bitdet.train.tracing import traced_optimizer_step, untraced
 
     original = optimizer.step
     model = session.model
+    session.digests = StepDigests(model)
 
     def step(*a, **kw):
-        with session.step_clock().excluded(), untraced(session.traced):
-            session.grads_digest = buffer_digest(model, "grad_data")
+        with untraced(session.traced):
+            session.digests.grads(session.iteration)
         session.lr = optimizer.param_groups[0]["lr"]
         return traced_optimizer_step(session.traced, optimizer, model, lambda: original(*a, **kw))
 
@@ -268,11 +327,13 @@ def on_step_end(session, step: int, result, model) -> None:
     from megatron.training import get_args
 
     from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
-    from megatron_bitdet.train.step_fingerprints import moe_aux_losses, state_digests, step_metrics
+    from megatron_bitdet.train.step_fingerprints import moe_aux_losses, step_metrics
 
     loss_dict, _skipped, _ckpt, should_exit, _code, grad_norm, num_zeros = result[:7]
     if should_exit and not loss_dict:
+        session.digests.resolve()  # a step cut short: its grads' digests are dropped with it
         return
+    session.digests.state(step)
     args = get_args()
     if session.writer is None:
         session.writer = StepFingerprintWriter(session.run_dir, torch.distributed.get_rank())
@@ -282,7 +343,7 @@ def on_step_end(session, step: int, result, model) -> None:
     coeff = coeff[0] if isinstance(coeff, (list, tuple)) else (coeff or 0.0)
     metrics = step_metrics(lm_loss=None if lm is None else lm.detach().to(torch.float32), aux=aux, aux_coeff=coeff,
                            grad_norm=grad_norm, lr=session.lr, num_zeros=num_zeros)
-    session.writer.write(step, metrics, state_digests(model, session.grads_digest))
+    session.writer.write(step, metrics, *session.digests.resolve())
 
 
 _ORIGINALS: dict = {}
@@ -307,7 +368,7 @@ def snapshot(session, iteration: int, model, optimizer, scheduler) -> None:
     from megatron_bitdet.train.snapshot import take_snapshot
 
     take_snapshot(session.run_dir, iteration, rank=torch.distributed.get_rank(), ddp_modules=model,
-                  optimizer=optimizer, scheduler=scheduler, data=DataPosition())
+                  optimizer=optimizer, scheduler=scheduler, data=DataPosition(), full=session.opts.snapshot_full)
 
 
 def load_with_adam_fix(original, ddp_model, optimizer, *a, **kw):
@@ -378,7 +439,9 @@ def install(session: Session) -> None:
     @functools.wraps(original_step)
     def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, *a, iteration=None,
                    **kw):
-        session.model = model
+        session.model, session.iteration = model, iteration + 1
+        if session.built is None and session.enforcement is not None and session.enforcement.mode:
+            audit_built(session, model)
         _wrap_optimizer_step(session, optimizer)
         if iteration in session.snapshot_at:
             snapshot(session, iteration, model, optimizer, scheduler)

@@ -1,11 +1,28 @@
 """Layer specs for Megatron-LM's ``--spec MODULE NAME`` (``pretrain_mamba.py``).
 
 ``--spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec``: bitdet's pure-torch hybrid stack
-(Mamba-2 with the deterministic kernels swapped in, attention, MLP, MoE); runs on CPU. On a GPU,
-megatron-core's own TE spec (``--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec``)
-runs with the same swaps.
+(Mamba-2 with the deterministic kernels swapped in, attention, MLP, MoE); runs on CPU.
+
+``--spec megatron_bitdet.megatron_lm.specs te_mamba_stack_spec``: megatron-core's own TE hybrid spec
+(``megatron.core.models.mamba.mamba_layer_specs.mamba_stack_spec``: TE fused norm+linear, TE attention)
+with its MoE experts — ``TEGroupedMLP`` with TE, the legacy ``GroupedMLP`` without, whatever the flags say —
+replaced by bitdet's GroupedProbMLP on the TE linears the spec's shared experts use. The Mamba kernels are
+the enforcement's swaps, as for any spec; megatron-core's own object is left as it is.
 """
 from megatron_bitdet.model.specs import local_stack_spec
 
 # The MoE layer spec only needs to know that experts exist; MoELayer reads their count from the config.
 local_mamba_stack_spec = local_stack_spec(num_experts=1)
+
+
+def __getattr__(name):
+    """``te_mamba_stack_spec`` is built on first use: importing megatron's TE spec module is not free."""
+    if name != "te_mamba_stack_spec":
+        raise AttributeError(name)
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+
+    from megatron_bitdet.enforce.audit import swap_grouped_experts
+
+    spec, _ = swap_grouped_experts(mamba_stack_spec, copy=True)
+    globals()[name] = spec
+    return spec

@@ -36,7 +36,12 @@ def fp8_implementation(recipe) -> str | None:
     fp8, family = recipe.model.fp8, resolve_spec_family(recipe)
     if fp8.recipe == "none":
         return None
+    from megatron_bitdet.recipe.schema import te_fp8_grouped_issue
+
     impl = fp8.implementation if fp8.implementation != "auto" else ("te" if family == "te" else "emulated")
+    issue = te_fp8_grouped_issue(recipe.model, family)
+    if issue:
+        raise BitdetInputError(f"{recipe.where('model', 'moe', 'expert_impl')}: model.moe.expert_impl: {issue}")
     if (impl == "te") != (family == "te"):
         raise BitdetError(f"model.fp8.implementation={impl} needs model.spec={'te' if impl == 'te' else 'local'} "
                           f"(the resolved spec is {family})")
@@ -124,8 +129,20 @@ def stack_spec(recipe, *, grouped_gemm: bool = False):
     kwargs = dict(num_experts=recipe.model.moe.num_experts,
                   mamba_params={"chunk_size": recipe.model.mamba.chunk_size, "d_conv": recipe.model.mamba.conv_kernel})
     if family == "te":
-        return specs.te_stack_spec(**kwargs, grouped_gemm=grouped_gemm)
-    return specs.local_stack_spec(**kwargs, expert_impl=recipe.model.moe.expert_impl)
+        spec = specs.te_stack_spec(**kwargs, grouped_gemm=grouped_gemm)
+    else:
+        spec = specs.local_stack_spec(**kwargs, expert_impl=recipe.model.moe.expert_impl)
+    backend = recipe.model.moe.grouped_backend
+    if backend != "torch" and recipe.model.moe.num_experts:
+        from megatron_bitdet.kernels.grouped_mlp import GroupedMLPConfig, backend_unavailable
+
+        reason = backend_unavailable(backend)
+        if reason:
+            raise BitdetInputError(f"{recipe.where('model', 'moe', 'grouped_backend')}: model.moe.grouped_backend: "
+                                   f"{backend} cannot run here: {reason}; use torch")
+        spec.submodules.moe_layer.submodules.mlp.submodules.experts.params["kernel_config"] = GroupedMLPConfig(
+            backend=backend)
+    return spec
 
 
 def default_model_provider(recipe, config, *, pre_process: bool = True, post_process: bool = True):

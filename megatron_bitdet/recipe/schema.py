@@ -21,6 +21,17 @@ def _pattern_issue(pattern: str):
     return None
 
 
+def te_fp8_grouped_issue(model, family: str):
+    """bitdet's GroupedProbMLP refuses config.fp8: TE's FP8 recipe with ``expert_impl: grouped`` cannot
+    build. ``family``: the resolved spec family (``auto``: not known yet, only an explicit te counts)."""
+    impl = model.fp8.implementation if model.fp8.implementation != "auto" else ("te" if family == "te" else None)
+    if model.has("E") and model.moe.expert_impl == "grouped" and model.fp8.recipe != "none" and impl == "te":
+        return (f"grouped (bitdet's GroupedProbMLP has no FP8 path) cannot build with model.fp8.recipe: "
+                f"{model.fp8.recipe} under Transformer Engine (model.fp8.implementation: {model.fp8.implementation}, "
+                f"spec {family}); use model.moe.expert_impl: sequential, or model.fp8.implementation: emulated")
+    return None
+
+
 def _divides(a_key, a, b_key, b):
     """Reported at the divisor's key: it is usually the knob that was just changed."""
     if a and b and b % a:
@@ -54,6 +65,9 @@ class MoEConfig:
     # sequential: megatron SequentialMLP; grouped: bitdet deterministic grouped GEMM;
     # te_grouped: megatron TEGroupedMLP (moe_grouped_gemm) whose dprob epilogue uses atomics.
     expert_impl: Literal["sequential", "grouped", "te_grouped"] = "sequential"
+    # the kernels behind expert_impl: grouped — torch (any device) or triton (kernels/triton_grouped.py:
+    # a CUDA device and the triton package; squared ReLU only)
+    grouped_backend: Literal["torch", "triton"] = "torch"
     router_fusion: bool = False   # TE fused top-k + aux loss (atomicAdd across CTAs)
     permute_fusion: bool = False  # TE fused permute / unpermute (bypasses megatron's index_add_ branch)
 
@@ -115,6 +129,12 @@ class ModelConfig:
                 yield "moe.top_k", f"{self.moe.top_k} exceeds moe.num_experts ({self.moe.num_experts})"
             if self.moe.ffn_hidden_size is None:
                 yield "moe.ffn_hidden_size", "required when the pattern has MoE layers (E)"
+        issue = te_fp8_grouped_issue(self, self.spec)
+        if issue:
+            yield "moe.expert_impl", issue
+        if self.moe.grouped_backend != "torch" and self.moe.expert_impl != "grouped":
+            yield "moe.grouped_backend", (f"{self.moe.grouped_backend} selects the kernels of expert_impl: grouped, "
+                                          f"but model.moe.expert_impl is {self.moe.expert_impl}")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,236 @@
+"""Judge what will run, not the flag that asked for it.
+
+megatron's ``ModuleSpec`` tree is data: :func:`walk_spec` names the module class at every position before
+anything is built, and :func:`walk_built` names the class of every built module together with the kernel
+functions a Mamba mixer's forward and backward call (the module globals ``megatron.core.ssm.mamba_mixer``
+binds, read as they are when the step runs: a swap's patch included). Both match what they find against
+the ``implementations`` of the catalog of known sources (``catalog/known_sources.yaml``): a match is a
+known nondeterministic implementation, and the rules judge it (``Facts.runs``) whatever the flags say.
+
+:func:`replace_in_spec` is the swap of a class the spec itself holds (megatron-core's TE Mamba spec builds
+its MoE experts as ``TEGroupedMLP`` when it is imported, whatever ``--moe-grouped-gemm`` says).
+"""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+import sys
+from dataclasses import dataclass
+
+# the rule judging each kind of position: experts, attention core, the Mamba mixer's conv and scan calls
+SLOT_RULES = {"experts": ("te_grouped_gemm",), "core_attention": ("te_attention_nondeterministic", "flash_attention"),
+              "mixer.conv": ("causal_conv1d_old",), "mixer.scan": ("mamba_ssm_nondeterministic",)}
+# MambaMixer (megatron-core 0.16.1): the memory-efficient path runs one fused conv+scan function with its
+# own conv; the split path calls the conv and the chunked scan through these module globals
+MIXER_CALLS = {True: {"conv": "mamba_split_conv1d_scan_combined", "scan": "mamba_split_conv1d_scan_combined"},
+               False: {"conv": "causal_conv1d_fn", "scan": "mamba_chunk_scan_combined"}}
+MIXER_MODULE = "megatron.core.ssm.mamba_mixer"
+UNBOUND = {"causal_conv1d_fn": "torch.nn.Conv1d (megatron's fallback: causal_conv1d does not import)"}
+TE_WRAPPERS = "megatron.core.extensions.transformer_engine"
+GROUPED_PROB_MLP = "megatron_bitdet.kernels.grouped_mlp:GroupedProbMLP"
+SEQUENTIAL_MLP = "megatron.core.transformer.moe.experts:SequentialMLP"
+
+
+@dataclass(frozen=True)
+class Finding:
+    """What runs at one position: ``source`` is the catalog entry it matches (None: not a known source)."""
+
+    position: str
+    runs: str
+    source: str | None = None
+
+    def as_dict(self) -> dict:
+        return {"position": self.position, "runs": self.runs, "source": self.source}
+
+
+def _join(path: str, name) -> str:
+    return f"{path}.{name}" if path else str(name)
+
+
+def walk_spec(node, path: str = ""):
+    """(position, object) for every module a spec tree names, parents first; nothing is built."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(node, ModuleSpec):
+        if path:
+            yield path, node.module
+        yield from walk_spec(node.submodules, path)
+    elif dataclasses.is_dataclass(node) and not isinstance(node, type):
+        for f in dataclasses.fields(node):
+            yield from walk_spec(getattr(node, f.name), _join(path, f.name))
+    elif isinstance(node, (list, tuple)):
+        for i, child in enumerate(node):
+            yield from walk_spec(child, _join(path, i))
+    elif node is not None and path:
+        yield path, node
+
+
+def name_of(obj) -> str:
+    """``module:qualname``; a TE wrapper that is a placeholder (TE absent) by the name megatron binds it to."""
+    module, qualname = getattr(obj, "__module__", None), getattr(obj, "__qualname__", None)
+    if isinstance(module, str) and isinstance(qualname, str) and not module.startswith("unittest.mock"):
+        return f"{module}:{qualname}"
+    for where in (TE_WRAPPERS, MIXER_MODULE):
+        for attr, value in vars(sys.modules.get(where) or object).items():
+            if value is obj:
+                return f"{where}:{attr}"
+    return f"<{type(obj).__name__}>"
+
+
+@functools.lru_cache(maxsize=None)
+def _known() -> tuple:
+    """(symbol, object or None, entry id) for every catalog implementation; None: its module does not import."""
+    from megatron_bitdet.analysis.catalog import load_catalog
+
+    out = []
+    for entry in load_catalog().entries:
+        for symbol in entry.implementations:
+            module, attr = symbol.split(":")
+            try:
+                obj = getattr(importlib.import_module(module), attr, None)
+            except Exception:  # GPU packages raise more than ImportError without CUDA
+                obj = None
+            out.append((symbol, obj, entry.id))
+    return tuple(out)
+
+
+def source_of(obj) -> str | None:
+    """The catalog entry ``obj`` is an implementation of: the object itself, a subclass, or its name."""
+    name = name_of(obj)
+    for symbol, known, entry in _known():
+        if name == symbol or (known is not None and (obj is known or (
+                isinstance(obj, type) and isinstance(known, type) and issubclass(obj, known)))):
+            return entry
+    return None
+
+
+def _slot(position: str) -> str | None:
+    return next((s for s in SLOT_RULES if position == s or position.endswith(f".{s}")), None)
+
+
+def mixer_calls(position: str, mem_eff_path: bool) -> list[Finding]:
+    """The kernel functions a Mamba mixer at ``position`` calls, as bound now (after any patch)."""
+    module = importlib.import_module(MIXER_MODULE)
+    out = []
+    for kind, attr in MIXER_CALLS[bool(mem_eff_path)].items():
+        fn = getattr(module, attr, None)
+        runs = name_of(fn) if fn is not None else UNBOUND.get(attr, f"nothing ({attr} unbound: mamba_ssm does not import)")
+        out.append(Finding(f"{position}.{kind}", runs, source_of(fn) if fn is not None else None))
+    return out
+
+
+def audit_spec(spec, *, mem_eff_path: bool = True) -> list[Finding]:
+    """What the spec will build at each judged position, and what its Mamba mixers will call."""
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    out = []
+    for position, obj in walk_spec(spec):
+        if _slot(position):
+            out.append(Finding(position, name_of(obj), source_of(obj)))
+        if isinstance(obj, type) and issubclass(obj, MambaMixer):
+            out += mixer_calls(position, mem_eff_path)
+    return out
+
+
+def walk_built(modules) -> list[Finding]:
+    """The same judgement on built modules (model chunks): every module's class, each mixer's calls."""
+    from megatron.core.ssm.mamba_mixer import MambaMixer
+
+    out = []
+    for chunk, model in enumerate(modules):
+        for name, module in model.named_modules():
+            position, source = _join(f"chunk{chunk}", name), source_of(type(module))
+            if _slot(name) or source:
+                out.append(Finding(position, name_of(type(module)), source))
+            if isinstance(module, MambaMixer):
+                out += mixer_calls(position, module.use_mem_eff_path)
+    return out
+
+
+def by_rule(findings) -> dict:
+    """rule id -> findings of the positions that rule judges (what the manifest records per rule)."""
+    out: dict = {}
+    for f in findings:
+        for rule in SLOT_RULES.get(_slot(f.position), ()):
+            out.setdefault(rule, []).append(f)
+    return out
+
+
+def flagged(findings, rule: str) -> list[Finding]:
+    """The findings of ``rule``'s positions that are known nondeterministic sources."""
+    return [f for f in by_rule(findings).get(rule, []) if f.source]
+
+
+def replace_in_spec(spec, position: str, new, *, copy: bool):
+    """Put ``new`` at ``position`` of ``spec``: in place (the object Megatron will build from), or in a
+    copy that shares every untouched node with the original (``copy=True``); returns the spec."""
+    head, _, rest = position.partition(".")
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        spec = dataclasses.replace(spec) if copy else spec
+        spec.submodules = replace_in_spec(spec.submodules, position, new, copy=copy)
+        return spec
+    child = new if not rest else replace_in_spec(getattr(spec, head), rest, new, copy=copy)
+    if copy:
+        return dataclasses.replace(spec, **{head: child})
+    setattr(spec, head, child)
+    return spec
+
+
+def deterministic_experts(moe_submodules):
+    """bitdet's GroupedProbMLP for the experts of an MoE layer spec: a SequentialMLP's own submodules
+    (GroupedProbMLP is a SequentialMLP), else the linears the layer's shared experts use (the spec's backend)."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP
+
+    experts = moe_submodules.experts
+    if isinstance(experts.submodules, MLPSubmodules) and name_of(experts.module) == SEQUENTIAL_MLP:
+        return ModuleSpec(module=GroupedProbMLP, params=dict(experts.params), submodules=experts.submodules)
+    shared = moe_submodules.shared_experts.submodules
+    return ModuleSpec(module=GroupedProbMLP, submodules=MLPSubmodules(
+        linear_fc1=shared.linear_fc1, linear_fc2=shared.linear_fc2))
+
+
+def swap_grouped_experts(spec, *, copy: bool, sequential: bool = False):
+    """Replace every grouped-experts class the catalog knows as nondeterministic (and, with ``sequential``,
+    megatron's SequentialMLP: the recipe asked for expert_impl grouped) by GroupedProbMLP; returns the
+    spec and (position, was, now) per replacement."""
+    done = []
+    for finding in by_rule(audit_spec(spec)).get("te_grouped_gemm", []):
+        if finding.source or (sequential and finding.runs == SEQUENTIAL_MLP):
+            replacement = deterministic_experts(_at(spec, finding.position.rsplit(".", 1)[0]))
+            spec = replace_in_spec(spec, finding.position, replacement, copy=copy)
+            done.append((finding.position, finding.runs, name_of(replacement.module)))
+    return spec, done
+
+
+def _at(spec, position: str):
+    """The submodules object at ``position`` (a ModuleSpec's submodules, stepping through specs)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    node = spec
+    for part in position.split("."):
+        node = node.submodules if isinstance(node, ModuleSpec) else node
+        node = getattr(node, part)
+    return node.submodules if isinstance(node, ModuleSpec) else node
+
+
+def recipe_keys(spec) -> dict:
+    """The recipe keys a spec decides whatever the flags say: its family (any TE wrapper: te) and the
+    implementation of its MoE experts."""
+    family = "te" if any(name_of(obj).startswith(f"{TE_WRAPPERS}:") for _, obj in walk_spec(spec)) else "local"
+    out = {"model.spec": family}
+    experts = by_rule(audit_spec(spec)).get("te_grouped_gemm", [])
+    if experts:
+        out["model.moe.expert_impl"] = ("te_grouped" if any(f.source for f in experts) else
+                                        "grouped" if all(f.runs == GROUPED_PROB_MLP for f in experts) else "sequential")
+    return out
+
+
+def runs_record(findings) -> dict:
+    """rule id -> [{position, runs, source}]: the manifest's record of what will run, per rule."""
+    return {rule: [f.as_dict() for f in found] for rule, found in by_rule(findings).items()}

@@ -1,0 +1,219 @@
+"""The built-model audit judges what will run: megatron-core's own layer specs walked as data (its TE
+Mamba spec, its GPT TE layer spec), the swap of what such a spec holds, the one truth of the library
+path's swaps, and the recipe checks that keep a spec from failing at build.
+
+Transformer Engine does not import here. Where a test needs what a spec holds *with* TE, a stand-in
+replaces exactly the name megatron-core binds only when TE imports; each one is described where it is
+made. Everything else is megatron-core's own code and objects.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+
+import pytest
+
+from megatron_bitdet.compat import cpu_backend
+from megatron_bitdet.enforce import Facts, apply_to_megatron_args, evaluate_rules, megatron_overrides, plan
+from megatron_bitdet.errors import BitdetInputError, DeterminismViolation
+from megatron_bitdet.recipe import RecipeError, load_recipe
+
+cpu_backend.install()  # megatron's Mamba mixer imports Triton-only helpers at import time
+
+MAMBA_SPECS = "megatron.core.models.mamba.mamba_layer_specs"
+EXPERTS = "moe_layer.mlp.experts"
+GROUPED_MLP = "megatron.core.transformer.moe.experts:GroupedMLP"
+TE_GROUPED_MLP = "megatron.core.transformer.moe.experts:TEGroupedMLP"
+GROUPED_PROB_MLP = "megatron_bitdet.kernels.grouped_mlp:GroupedProbMLP"
+
+
+@pytest.fixture(scope="module")
+def audit():
+    from megatron_bitdet.enforce import audit
+
+    return audit
+
+
+def tiny(*overrides):
+    return load_recipe("nemotron_h_tiny", list(overrides))
+
+
+def at(findings, position):
+    return next(f for f in findings if f.position == position)
+
+
+class TEGroupedLinearStandIn:
+    """Stand-in for TE's ``GroupedLinear`` wrapper: megatron-core binds
+    ``transformer_engine_spec_provider.TEColumnParallelGroupedLinear`` to a TE class when TE >= 1.9 imports
+    and to None otherwise; only whether it is None decides which experts class the TE provider returns."""
+
+
+@pytest.fixture
+def te_mamba_specs(monkeypatch):
+    """megatron-core's mamba_layer_specs module executed afresh as it executes with TE installed: the TE
+    grouped linear stand-in above is bound where TE's class would be, so ``get_moe_module_spec(use_te=True,
+    moe_grouped_gemm=True)`` at its import picks TEGroupedMLP. A private copy: the real module is untouched."""
+    from megatron.core.extensions import transformer_engine_spec_provider as provider
+
+    monkeypatch.setattr(provider, "TEColumnParallelGroupedLinear", TEGroupedLinearStandIn)
+    monkeypatch.setattr(provider, "TERowParallelGroupedLinear", TEGroupedLinearStandIn)
+    real = importlib.import_module(MAMBA_SPECS)
+    spec = importlib.util.spec_from_file_location(f"{MAMBA_SPECS}_with_te", real.__file__)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_megatrons_te_mamba_spec_holds_grouped_experts_whatever_the_flags(audit):
+    """Why 1: the spec builds its experts at import; the rule judges that class, not --moe-grouped-gemm."""
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+
+    findings = audit.audit_spec(mamba_stack_spec, mem_eff_path=False)
+    experts = at(findings, EXPERTS)
+    assert (experts.runs, experts.source) == (GROUPED_MLP, "grouped_gemm_dprob_atomics")  # no TE: legacy experts
+    assert audit.recipe_keys(mamba_stack_spec) == {"model.spec": "te", "model.moe.expert_impl": "te_grouped"}
+    recipe = tiny("model.moe.expert_impl=sequential", "determinism.swaps=false")  # what the flags alone say
+    assert evaluate_rules(recipe, Facts()).violations == []
+    outcome = evaluate_rules(recipe, Facts(runs=audit.by_rule(findings)))
+    [violation] = [v for v in outcome.violations if v.rule_id == "te_grouped_gemm"]
+    assert violation.message == f"{EXPERTS} is {GROUPED_MLP}"
+    assert outcome.runs["te_grouped_gemm"] == [experts.as_dict()]
+
+
+def test_te_stand_in_spec_holds_te_grouped_mlp_and_the_swap_replaces_it(audit, te_mamba_specs):
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as cpu_spec
+
+    spec = te_mamba_specs.mamba_stack_spec
+    assert at(audit.audit_spec(spec), EXPERTS).runs == TE_GROUPED_MLP
+    copied, done = audit.swap_grouped_experts(spec, copy=True)
+    assert done == [(EXPERTS, TE_GROUPED_MLP, GROUPED_PROB_MLP)]
+    assert at(audit.audit_spec(spec), EXPERTS).runs == TE_GROUPED_MLP  # copy=True leaves the original alone
+    moe = copied.submodules.moe_layer.submodules.mlp.submodules
+    shared = moe.shared_experts.submodules
+    assert (moe.experts.submodules.linear_fc1, moe.experts.submodules.linear_fc2) == (shared.linear_fc1,
+                                                                                      shared.linear_fc2)
+    assert copied.submodules.mamba_layer is spec.submodules.mamba_layer  # untouched nodes are shared
+    in_place, _ = audit.swap_grouped_experts(spec, copy=False)  # what Megatron will build from
+    assert in_place is spec and at(audit.audit_spec(spec), EXPERTS).runs == GROUPED_PROB_MLP
+    assert at(audit.audit_spec(cpu_spec), EXPERTS).runs == GROUPED_MLP  # the real module was never touched
+
+
+def test_gpt_te_layer_spec_walked_as_data(audit, monkeypatch):
+    """megatron-core's GPT TE layer spec: TE attention is judged by the env, the experts by their class.
+    Stand-ins: ``gpt_layer_specs`` binds ``TESpecProvider``, ``TENorm`` and ``TEFusedMLP`` only when
+    ``import transformer_engine`` succeeds; they are bound here to megatron-core's own objects of those
+    names (its TE wrappers module imports without TE, its classes then placeholders). megatron-core caches
+    TE's ``__version__`` in ``megatron.core.utils._te_version`` when TE imports; the stand-in is 2.8.0."""
+    from megatron.core import utils as mcore_utils
+    from megatron.core.extensions import transformer_engine as te_wrappers
+    from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
+    from megatron.core.models.gpt import gpt_layer_specs
+    from packaging.version import Version
+
+    monkeypatch.setattr(mcore_utils, "_te_version", Version("2.8.0"))
+
+    monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", TESpecProvider, raising=False)
+    monkeypatch.setattr(gpt_layer_specs, "TENorm", te_wrappers.TENorm, raising=False)
+    monkeypatch.setattr(gpt_layer_specs, "TEFusedMLP", te_wrappers.TEFusedMLP, raising=False)
+    spec = gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec(num_experts=4, moe_grouped_gemm=True)
+    findings = audit.audit_spec(spec)
+    attention = at(findings, "self_attention.core_attention")
+    assert (attention.runs, attention.source) == (f"{audit.TE_WRAPPERS}:TEDotProductAttention", "te_attention_atomics")
+    assert at(findings, "mlp.experts").runs == GROUPED_MLP
+    assert audit.recipe_keys(spec)["model.spec"] == "te"
+    recipe = tiny("model.spec=local")  # the flags' view: no TE attention
+    runs = audit.by_rule(findings)
+    fired = {nvte: [v.message for v in evaluate_rules(recipe, Facts(
+        env={"NVTE_ALLOW_NONDETERMINISTIC_ALGO": nvte}, runs=runs)).violations
+        if v.rule_id == "te_attention_nondeterministic"] for nvte in ("0", "1")}
+    assert fired["0"] == []
+    assert fired["1"] == [f"self_attention.core_attention is {audit.TE_WRAPPERS}:TEDotProductAttention with "
+                          "NVTE_ALLOW_NONDETERMINISTIC_ALGO='1'"]
+
+
+def test_te_mamba_stack_spec_target_is_megatrons_spec_with_deterministic_experts(audit):
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+
+    from megatron_bitdet.megatron_lm import specs
+
+    ours, theirs = dict(audit.walk_spec(specs.te_mamba_stack_spec)), dict(audit.walk_spec(mamba_stack_spec))
+    differ = sorted(p for p in ours.keys() | theirs.keys() if ours.get(p) is not theirs.get(p))
+    assert differ == [EXPERTS, f"{EXPERTS}.linear_fc1", f"{EXPERTS}.linear_fc2"]  # nothing else changed
+    assert audit.recipe_keys(specs.te_mamba_stack_spec) == {"model.spec": "te", "model.moe.expert_impl": "grouped"}
+    assert at(audit.audit_spec(mamba_stack_spec), EXPERTS).runs == GROUPED_MLP
+
+
+def test_mem_eff_path_is_routed_to_the_split_path_the_swaps_reach(audit):
+    """Why 3: megatron's default use_mamba_mem_eff_path calls mamba_split_conv1d_scan_combined, whose
+    own conv the causal_conv1d swap cannot reach; deterministic mode takes the split path, where it can."""
+    from megatron.core.transformer import TransformerConfig
+
+    from megatron_bitdet.compat.patching import load_declarations, patched
+
+    recipe = tiny()
+    overrides = megatron_overrides(recipe, swapped=["causal_conv1d_old"])
+    config = TransformerConfig(num_layers=1, hidden_size=64, num_attention_heads=4, **{
+        k: v for k, v in overrides.items() if k != "moe_grouped_gemm"})
+    assert config.use_mamba_mem_eff_path is False
+    args = apply_to_megatron_args(argparse.Namespace(), recipe)
+    assert args.use_mamba_mem_eff_path is False  # core_transformer_config_from_args copies it into the config
+    with patched(load_declarations(ids=["causal_conv1d"])):
+        calls = {f.position: f.runs for f in audit.mixer_calls("mixer", config.use_mamba_mem_eff_path)}
+        assert calls["mixer.conv"] == "megatron_bitdet.kernels.causal_conv1d:causal_conv1d_fn"
+        fused = {f.position: f.runs for f in audit.mixer_calls("mixer", True)}
+        assert fused["mixer.conv"] != calls["mixer.conv"]  # the fused path would bypass the swap
+
+
+def test_megatron_overrides_switch_off_what_enable_reports_swapped():
+    """Why 4: the README's TransformerConfig(..., **megatron_overrides(recipe)) gets the swaps enable() reports."""
+    recipe = tiny("model.moe.router_fusion=true", "model.moe.expert_impl=te_grouped")
+    swapped = {s["id"] for s in plan(recipe, environ={}, late=False)[1].swaps}
+    assert {"moe_router_fusion", "te_grouped_gemm"} <= swapped
+    overrides = megatron_overrides(recipe)
+    assert overrides["moe_router_fusion"] is False and overrides["moe_grouped_gemm"] is False
+    refused = tiny("model.moe.router_fusion=true", "determinism.swaps=false")
+    with pytest.raises(DeterminismViolation, match=r"\[moe_router_fusion\]"):
+        megatron_overrides(refused)
+    kept = tiny("model.moe.router_fusion=true", "determinism.swaps=false", "determinism.opt_out=[moe_router_fusion]")
+    assert megatron_overrides(kept)["moe_router_fusion"] is True
+
+
+def test_apply_to_megatron_args_swaps_what_enable_swaps_and_refuses_flash():
+    args = apply_to_megatron_args(argparse.Namespace(moe_router_fusion=True, moe_grouped_gemm=True))
+    assert (args.moe_router_fusion, args.moe_grouped_gemm, args.deterministic_mode) == (False, False, True)
+    with pytest.raises(DeterminismViolation, match=r"\[flash_attention\] --use-flash-attn is set"):
+        apply_to_megatron_args(argparse.Namespace(use_flash_attn=True, moe_router_fusion=True))
+    with pytest.raises(DeterminismViolation, match=r"\[moe_router_fusion\]"):
+        apply_to_megatron_args(argparse.Namespace(moe_router_fusion=True), tiny("determinism.swaps=false"))
+
+
+def test_te_fp8_with_grouped_experts_is_refused_at_validation_naming_both_keys():
+    """Why 5: GroupedProbMLP refuses config.fp8, so TE FP8 + expert_impl grouped could only fail at build."""
+    for override in ("model.spec=te", "model.fp8.implementation=te"):
+        with pytest.raises(RecipeError) as err:
+            load_recipe("nemotron_h_tiny_fp8", [override])
+        text = str(err.value)
+        assert "model.moe.expert_impl" in text and "model.fp8.recipe: delayed" in text
+    assert load_recipe("nemotron_h_tiny_fp8").model.moe.expert_impl == "grouped"  # emulated FP8 here: builds
+    load_recipe("nemotron_h_tiny_fp8", ["model.spec=te", "model.moe.expert_impl=sequential"])
+
+
+def test_triton_grouped_backend_is_a_recipe_key_refused_where_it_cannot_run():
+    from megatron_bitdet.model.builder import stack_spec
+
+    recipe = tiny("model.spec=local", "model.moe.grouped_backend=triton")
+    with pytest.raises(BitdetInputError, match=r"model.moe.grouped_backend: triton cannot run here: "):
+        stack_spec(recipe)
+    with pytest.raises(RecipeError, match=r"model.moe.grouped_backend"):
+        tiny("model.moe.expert_impl=sequential", "model.moe.grouped_backend=triton")
+    spec = stack_spec(tiny("model.spec=local"))
+    assert "kernel_config" not in spec.submodules.moe_layer.submodules.mlp.submodules.experts.params
+
+
+def test_catalog_implementations_name_real_megatron_symbols(audit):
+    """A catalog symbol in megatron-core must resolve, so a renamed class cannot silently stop matching."""
+    known = audit._known()
+    megatron = [(symbol, obj) for symbol, obj, _ in known if symbol.startswith("megatron.")]
+    assert megatron and all(obj is not None for _, obj in megatron)
+    assert sys.modules[MAMBA_SPECS]  # the walk above imported megatron's own spec module
