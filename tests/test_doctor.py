@@ -57,7 +57,11 @@ def test_fused_aux_loss_style_moe_only_divergence(tmp_path, at_root, capsys):
     out = capsys.readouterr().out
     assert _causes(out)[0] == "moe_fused_aux_loss", out
     assert "lm_loss bit-identical at the first divergent step" in out and "differing first: aux_loss" in out
-    assert "next: bitdet fixcheck --recipe RECIPE --fix determinism.swaps=true" in out
+    # the catalog's fixes (determinism.swaps=true, model.moe.router_fusion=false) are what these runs had:
+    # the planted sums are the provider's own code
+    assert "determinism.swaps=true is already set in both runs" in out
+    assert ("next: bitdet fixcheck --recipe RECIPE --model-provider "
+            "examples.planted_nondeterminism:fused_aux_loss_provider --fix-provider MODULE:FIXED_PROVIDER") in out
 
 
 def test_thread_count_scope_change(reference_run, tmp_path, capsys):
@@ -138,3 +142,43 @@ def test_doctor_refuses_a_saved_ladder_of_the_wrong_shape(tmp_path, capsys, chan
     (a / "ladder" / "result.json").write_text(json.dumps({**saved, **change}))
     assert main(["doctor", str(a), str(b), "--offline"]) == 2
     assert f"result.json: not a ladder result ({message}" in capsys.readouterr().err
+
+
+def _aux_only_pair(tmp_path, recipe: dict, provider: str = "default"):
+    """Two runs whose aux_loss differs in its last bit at step 3 while lm_loss stays equal (the fused-aux-
+    loss signature), their manifests holding ``recipe`` and ``provider`` as bitdet train records them."""
+    import json
+
+    from test_compare import flip_low_bit, write_run
+
+    def flip(step, rank, line):
+        if step >= 3:
+            line["metrics"]["aux_loss"] = flip_low_bit(line["metrics"]["aux_loss"])
+            line["metrics"]["loss"] = flip_low_bit(line["metrics"]["loss"])
+
+    runs = write_run(tmp_path / "a"), write_run(tmp_path / "b", edit=flip)
+    for run in runs:
+        manifest = json.loads((run / "manifest.json").read_text())
+        manifest["recipe"] = recipe
+        manifest["scope"]["model_provider"] = provider
+        (run / "manifest.json").write_text(json.dumps(manifest))
+    return [str(r) for r in runs]
+
+
+@pytest.mark.parametrize("recipe, provider, advice", [
+    ({"model": {"moe": {"router_fusion": True}}, "determinism": {"swaps": False}}, "default",
+     "bitdet fixcheck --recipe RECIPE --fix determinism.swaps=true"),  # the catalog's own advice changes something
+    ({"model": {"moe": {"router_fusion": True}}, "determinism": {"swaps": True}}, "default",
+     "bitdet fixcheck --recipe RECIPE --fix model.moe.router_fusion=false"),
+    ({"model": {"moe": {"router_fusion": False}}, "determinism": {"swaps": True}}, "my.models:provider",
+     "bitdet fixcheck --recipe RECIPE --model-provider my.models:provider --fix-provider MODULE:FIXED_PROVIDER"),
+])
+def test_doctor_never_advises_what_the_runs_already_have(tmp_path, capsys, recipe, provider, advice):
+    """The runs' manifests say what was set: a fix already in effect in both is never the next step."""
+    a, b = _aux_only_pair(tmp_path, recipe, provider)
+    assert main(["doctor", a, b, "--offline"]) == 1
+    out = capsys.readouterr().out
+    assert _causes(out)[0] == "moe_fused_aux_loss", out
+    assert f"next: {advice}\n" in out + "\n", out
+    if recipe["determinism"]["swaps"]:
+        assert "determinism.swaps=true is already set in both runs" in out, out

@@ -8,12 +8,15 @@ restore points at verify-resume. One directory: a verify-resume --out directory 
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import yaml
+
 from megatron_bitdet.analysis.compare import ScopeMismatchError, compare_runs
 from megatron_bitdet.analysis.diagnose import (
-    Diagnosis, diagnose, facts_from_compare, facts_from_ladder, facts_from_resume, facts_from_scope,
+    Diagnosis, diagnose, facts_from_compare, facts_from_ladder, facts_from_resume, facts_from_scope, flatten,
 )
 from megatron_bitdet.workflows.ladder import LadderConfig, load_ladder_result, run_ladder
 from megatron_bitdet.workflows.resume import load_resume_report
@@ -31,19 +34,55 @@ class DoctorReport:
         return {"verdict": self.verdict, "sources": self.sources, **self.diagnosis.to_json()}
 
 
-def _resumed(run) -> bool:
+_FIX = re.compile(r"--fix(-env)? ([A-Za-z_][\w.]*)=(\S+)")  # in a catalog entry's next command
+_CHANGE = re.compile(r"\b([a-z_]+(?:\.[a-z_0-9]+)+)=([\w.:-]+)")  # recipe assignments in its fix text
+
+
+def _manifest(run):
     try:
-        argv = load_manifest(run).get("argv") or []
+        return load_manifest(run)
     except BitdetInputError:
-        return False
+        return None
+
+
+def _resumed(run) -> bool:
+    argv = (_manifest(run) or {}).get("argv") or []
     return "--load" in argv or any(str(a).startswith("--load=") for a in argv)
 
 
 def _recipe(run):
-    try:
-        return load_manifest(run).get("recipe")
-    except BitdetInputError:
-        return None
+    return (_manifest(run) or {}).get("recipe")
+
+
+def _set_in(manifest: dict, env: bool, key: str, value: str) -> bool:
+    """Was ``key=value`` already in effect in the run this manifest describes?"""
+    if env:
+        return ((manifest.get("env") or {}).get(key) or {}).get("value") == value
+    recipe = flatten(manifest.get("recipe") or {})
+    return key in recipe and recipe[key] == yaml.safe_load(value)
+
+
+def _advice_that_changes_something(d: Diagnosis, manifests: list, run_a, run_b) -> None:
+    """A cause whose suggested fix both runs already had (their manifests say so) gets another next
+    step: a recipe change from its fix that they did not have, else a fixed model provider (the source
+    is in the provider's code, which the recipe does not govern), else localizing the culprit op."""
+    for c in d.causes:
+        fixes = [(bool(env), key, value) for env, key, value in _FIX.findall(c.next)]
+        if not fixes or not all(_set_in(m, *f) for m in manifests for f in fixes):
+            continue
+        others = [(False, k, v) for k, v in _CHANGE.findall(c.fix.get("change", ""))]
+        unset = [f for f in others if not all(_set_in(m, *f) for m in manifests)]
+        provider = (manifests[0].get("scope") or {}).get("model_provider")
+        if unset:
+            c.next = f"bitdet fixcheck --recipe RECIPE --fix {unset[0][1]}={unset[0][2]}"
+        elif provider and provider != "default":
+            c.next = f"bitdet fixcheck --recipe RECIPE --model-provider {provider} --fix-provider MODULE:FIXED_PROVIDER"
+        else:
+            c.next = f"bitdet localize {run_a} {run_b} --levels module,op"
+        d.notes.append(f"[{c.id}] {', '.join(f'{k}={v}' for _, k, v in fixes)} is already set in both runs "
+                       f"(their manifests): that fix would change nothing; next: {c.next}")
+    if d.top is not None:
+        d.next = d.top.next
 
 
 def doctor(run_a, run_b=None, *, offline: bool = False, ladder: LadderConfig = LadderConfig()) -> DoctorReport:
@@ -95,6 +134,9 @@ def doctor(run_a, run_b=None, *, offline: bool = False, ladder: LadderConfig = L
     unsure = ("bitdet verify-resume --recipe RECIPE --resume-at K" if resumed
               else f"bitdet localize {run_a} {run_b}")
     d = diagnose(*facts, next_if_unsure=unsure)
+    manifests = [_manifest(run_a), _manifest(run_b)]
+    if None not in manifests:
+        _advice_that_changes_something(d, manifests, run_a, run_b)
     if saved is None:
         d.notes.append(f"ranked from the fingerprints only; `{unsure}` gives the evidence that tells causes apart")
     return DoctorReport(d, sources, verdict)
