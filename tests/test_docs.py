@@ -397,3 +397,63 @@ def test_a_declaration_without_its_row_is_caught(check, load, drop):
     text = "\n".join(line for line in RULES_MD.read_text().splitlines() if not line.startswith(f"| `{drop}` |"))
     (problem,) = check(declared, text)
     assert problem.startswith("docs/rules.md: ") and f" {drop} (" in problem and f"add: | `{drop}` |" in problem
+
+
+# ---------------------------------------------------------------------------- links and command lines
+PAGES = [REPO / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(path: Path) -> set[str]:
+    return {_slug(line.lstrip("#")) for line in path.read_text().splitlines() if re.match(r"#{1,6} ", line)}
+
+
+@pytest.mark.parametrize("page", PAGES, ids=lambda p: p.name)
+def test_every_relative_link_resolves(page):
+    """A link to a page or heading that moved is a dead end for the reader."""
+    broken = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", page.read_text()):
+        if re.match(r"[a-z]+:", target):
+            continue
+        path, _, anchor = target.partition("#")
+        dest = (page.parent / path).resolve() if path else page
+        if not dest.exists() or (anchor and dest.suffix == ".md" and anchor not in _anchors(dest)):
+            broken.append(target)
+    assert not broken, f"{page.relative_to(REPO)}: broken links {broken}"
+
+
+def shell_commands(page: Path) -> list[str]:
+    """Every `bitdet ...` command in the page's bash blocks (continuation lines joined, comments dropped)."""
+    out = []
+    for block in re.findall(r"```bash\n(.*?)```", page.read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            code = line.split("#")[0] if line.lstrip().startswith("#") else line.split(" #")[0]
+            if "bitdet " in code:
+                out.append(code[code.index("bitdet "):].split(";")[0].strip())
+    return out
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if shell_commands(p)], ids=lambda p: p.name)
+def test_every_documented_command_line_parses(page):
+    """Each `bitdet` line in README.md and docs/ names a real subcommand with real options (argparse only;
+    the commands the tests run end to end are checked against the tests in their own files)."""
+    import contextlib
+    import io
+    import shlex
+
+    from megatron_bitdet.cli import build_parser
+
+    parser = build_parser()
+    refused = []
+    for command in shell_commands(page):
+        err = io.StringIO()
+        try:
+            with contextlib.redirect_stderr(err):
+                parser.parse_args(shlex.split(command)[1:])
+        except SystemExit:
+            refused.append(f"{command}\n    {err.getvalue().strip().splitlines()[-1]}")
+    assert not refused, f"{page.relative_to(REPO)}: commands argparse refuses:\n" + "\n".join(refused)

@@ -1,5 +1,5 @@
-"""From divergence to validated fix on the real CPU nondeterminism (README's worked example, as
-written): megatron's deterministic embedding path without torch's deterministic algorithms, whose
+"""From divergence to validated fix on the real CPU nondeterminism (docs/localize.md's worked example,
+its commands as written): megatron's deterministic embedding path without torch's deterministic algorithms, whose
 backward index_put_(accumulate=True) adds repeated token rows in thread order on 2 threads.
 
 A pair of runs diverges; `bitdet localize` climbs to the op and ends with the kernel rung (the op's
@@ -27,6 +27,24 @@ ORIGINAL = ["determinism.mode=false", "model.seq_length=512", "training.micro_ba
 pytestmark = pytest.mark.timeout(900)
 
 
+def train_argv(run_dir):
+    return ["train", "--recipe", RECIPE, "--nproc", "2", "--run-dir", str(run_dir), "--model-provider", PROVIDER,
+            *ORIGINAL]
+
+
+def localize_argv(a, b):
+    return ["localize", str(a), str(b), "--levels", "op"]
+
+
+def fixcheck_argv(out):
+    return ["fixcheck", "--recipe", RECIPE, "--model-provider", PROVIDER, *ORIGINAL, "--fix", "determinism.mode=true",
+            "--out", str(out), "--reuse-original", "--tax-rounds", "2", "--tax-warmup", "0"]
+
+
+def doctor_argv(a, b):
+    return ["doctor", str(a), str(b), "--offline"]
+
+
 @pytest.fixture(scope="module")
 def base(tmp_path_factory):
     """OUT/original/run_0 and run_1: the pair fixcheck --reuse-original finds (run side by side)."""
@@ -35,8 +53,7 @@ def base(tmp_path_factory):
     os.chdir(ROOT)  # ranks, ladder and replay import the example provider from the repository root
     try:
         def train(i):
-            return main(["train", "--recipe", RECIPE, "--nproc", "2", "--run-dir", str(out / "original" / f"run_{i}"),
-                         "--model-provider", PROVIDER, *ORIGINAL])
+            return main(train_argv(out / "original" / f"run_{i}"))
         with ThreadPoolExecutor(2) as pool:
             assert list(pool.map(train, range(2))) == [0, 0]
         yield out
@@ -51,8 +68,8 @@ def localized(base):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["localize", str(base / "original" / "run_0"), str(base / "original" / "run_1"), "--levels", "op"])
-    (base / "localize.out").write_text(buf.getvalue())  # kept with the runs: README's worked example
+        rc = main(localize_argv(base / "original" / "run_0", base / "original" / "run_1"))
+    (base / "localize.out").write_text(buf.getvalue())  # kept with the runs: the worked example's output
     return rc, buf.getvalue()
 
 
@@ -63,9 +80,7 @@ def fixed(base, localized):
 
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
-        rc = main(["fixcheck", "--recipe", RECIPE, "--model-provider", PROVIDER, *ORIGINAL,
-                   "--fix", "determinism.mode=true", "--out", str(base), "--reuse-original",
-                   "--tax-rounds", "2", "--tax-warmup", "0"])
+        rc = main(fixcheck_argv(base))
     (base / "fixcheck.out").write_text(buf.getvalue())
     return rc, buf.getvalue(), json.loads((base / "fixcheck.json").read_text())
 
@@ -108,7 +123,7 @@ def test_a_non_fix_exits_1(base, fixed):
 
 
 def test_doctor_names_the_entry_from_the_saved_evidence(base, localized, capsys):
-    rc = main(["doctor", str(base / "original" / "run_0"), str(base / "original" / "run_1"), "--offline"])
+    rc = main(doctor_argv(base / "original" / "run_0", base / "original" / "run_1"))
     out = capsys.readouterr().out
     assert rc == 1
     assert out.splitlines()[out.splitlines().index("likely causes, best first:") + 1].startswith(
@@ -122,3 +137,30 @@ def test_fixcheck_bad_input_exits_2(tmp_path):
     assert main(["fixcheck", "--recipe", RECIPE, "--fix-env", "NOEQUALS", "--out", str(tmp_path)]) == 2
     assert main(["fixcheck", "--recipe", RECIPE, "--fix", "determinism.mode=true", "--runs", "1",
                  "--out", str(tmp_path)]) == 2
+
+
+def documented_commands() -> list[list[str]]:
+    """The worked example's `bitdet` commands in docs/localize.md, $P and $ORIG expanded, as argv."""
+    import re
+    import shlex
+
+    text = (ROOT / "docs" / "localize.md").read_text()
+    section = text[text.index("## From divergence to a validated fix"):]
+    script = "\n".join(re.findall(r"```bash\n(.*?)```", section, re.S)).replace("\\\n", " ")
+    names = dict(re.findall(r"^(P|ORIG)=(.*)$", script, re.M))
+    commands = []
+    for line in script.splitlines():
+        if "bitdet " in line:
+            command = line[line.index("bitdet ") + len("bitdet "):].split(";")[0]
+            for name, value in names.items():
+                command = command.replace(f"${name}", " ".join(shlex.split(value)))
+            commands.append(shlex.split(command))
+    return commands
+
+
+def test_the_documented_commands_are_the_ones_tested():
+    """docs/localize.md's worked example runs (paths aside) exactly what the fixtures above run."""
+    base = "runs/fc"
+    assert documented_commands() == [
+        train_argv(f"{base}/original/run_$i"), localize_argv(f"{base}/original/run_0", f"{base}/original/run_1"),
+        fixcheck_argv(base), doctor_argv(f"{base}/original/run_0", f"{base}/original/run_1")]
