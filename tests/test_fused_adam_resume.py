@@ -14,12 +14,10 @@ megatron-core 0.16.1 imports TE's FusedAdam, else apex's, else torch's AdamW (me
 """
 from __future__ import annotations
 
-import io
-
 import pytest
 import torch
 
-from megatron_bitdet.compat import checkpoint
+from megatron_bitdet.testing.optimizer import load_dropping_group_step, resume_matches
 
 
 class FusedAdam(torch.optim.Optimizer):
@@ -51,56 +49,13 @@ class FusedAdam(torch.optim.Optimizer):
 FusedAdam.__module__ = "transformer_engine.pytorch.optimizers.fused_adam"
 
 
-class MegatronFP32Optimizer:
-    """What the restore reads of megatron's FP32Optimizer around the inner optimizer: ``.optimizer``
-    and a ``load_state_dict`` that hands the state to it (megatron's class needs CUDA for its scale)."""
-
-    def __init__(self, inner):
-        self.optimizer = inner
-
-    def load_state_dict(self, state):
-        self.optimizer.load_state_dict(state)
-
-
-STEPS, RESUME_AT = 6, 3
-
-
-def _train(param, opt, start: int, stop: int) -> None:
-    for step in range(start, stop):
-        param.grad = torch.randn(param.shape, generator=torch.Generator().manual_seed(step))
-        opt.step()
-
-
-def _resumed_equals_uninterrupted(make_opt) -> bool:
-    """Train STEPS uninterrupted; train RESUME_AT, save through bytes, restore into a fresh optimizer
-    with compat.checkpoint, train the rest. Bitwise equal final parameters and moments?"""
-    start = torch.randn(16, generator=torch.Generator().manual_seed(0))
-    ref = torch.nn.Parameter(start.clone())
-    ref_opt = make_opt([ref])
-    _train(ref, ref_opt, 0, STEPS)
-
-    first = torch.nn.Parameter(start.clone())
-    first_opt = make_opt([first])
-    _train(first, first_opt, 0, RESUME_AT)
-    buf = io.BytesIO()
-    torch.save({"param": first.detach(), "optimizer": first_opt.state_dict()}, buf)
-    buf.seek(0)
-    saved = torch.load(buf, weights_only=True)
-    resumed = torch.nn.Parameter(saved["param"].clone())
-    opt = make_opt([resumed])
-    checkpoint.load_optimizer_state(MegatronFP32Optimizer(opt), saved["optimizer"])
-    _train(resumed, opt, RESUME_AT, STEPS)
-    pairs = [(ref, resumed)] + [(ref_opt.state[ref][k], opt.state[resumed][k]) for k in ("exp_avg", "exp_avg_sq")]
-    return all(torch.equal(a.view(torch.int32), b.view(torch.int32)) for a, b in pairs)
-
-
 @pytest.mark.parametrize("make_opt", [torch.optim.Adam, torch.optim.AdamW, FusedAdam])
 def test_resume_is_bitwise_for_both_step_layouts(make_opt):
-    assert _resumed_equals_uninterrupted(make_opt)
+    assert resume_matches(make_opt)
 
 
-def test_fused_adam_resume_diverges_without_the_group_step_rule(monkeypatch):
-    """The rule is needed: treated like torch Adam (its serialized group step dropped), a FusedAdam
+def test_fused_adam_resume_diverges_without_the_group_step_rule():
+    """The rule is needed: treated like torch Adam (the group step megatron saved dropped), a FusedAdam
     restarts its bias correction at step 1 and the resumed run diverges from the uninterrupted one."""
-    monkeypatch.setattr(checkpoint, "keeps_per_param_step", lambda inner: True)
-    assert not _resumed_equals_uninterrupted(FusedAdam)
+    assert not resume_matches(FusedAdam, load=load_dropping_group_step)
+    assert resume_matches(torch.optim.AdamW, load=load_dropping_group_step)  # torch's own step is per parameter
