@@ -121,6 +121,12 @@ def test_mamba_fingerprints_and_manifest_describe_what_megatron_built(mamba_runs
     assert {"allow_no_cuda", "model_parallel_groups", "batch_invariant_kernels", "eager_jit_fuser"} <= set(
         manifest["cpu_backend_seams"])
     assert manifest["env"]["NCCL_ALGO"]["value"] == "Ring"
+    # after the build, what runs per rule: the mixers took the split path (megatron's default memory-
+    # efficient path would call one fused conv+scan function), so the conv is the swapped one
+    built = manifest["rules"]["built"]
+    assert [f["runs"] for f in built["causal_conv1d_old"]] == ["megatron_bitdet.kernels.causal_conv1d:causal_conv1d_fn"]
+    assert built["causal_conv1d_old"][0]["position"].endswith("decoder.layers.0.mixer.conv")
+    assert [f["runs"] for f in built["te_grouped_gemm"]] == ["megatron.core.transformer.moe.experts:SequentialMLP"]
     assert (runs["a"] / "logs" / "rank_00001.log").is_file()
 
 

@@ -110,6 +110,45 @@ def test_mamba_mixer_runs_on_bitdet_kernels(hybrid):
             assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
 
 
+def test_built_model_audit_names_what_runs(hybrid):
+    """After the build: every judged position of the built model, and the kernels each mixer calls."""
+    from megatron_bitdet.enforce import plan
+    from megatron_bitdet.enforce.audit import by_rule, walk_built
+
+    recipe, model, _ = hybrid
+    runs = {rule: {f.position: f.runs for f in found} for rule, found in by_rule(walk_built([model])).items()}
+    moe_layers = [i for i, s in enumerate(recipe.model.hybrid_pattern) if s == "E"]
+    assert runs["te_grouped_gemm"] == {f"chunk0.decoder.layers.{i}.mlp.experts":
+                                       "megatron_bitdet.kernels.grouped_mlp:GroupedProbMLP" for i in moe_layers}
+    assert set(runs["causal_conv1d_old"].values()) == {"megatron_bitdet.kernels.causal_conv1d:causal_conv1d_fn"}
+    assert set(runs["mamba_ssm_nondeterministic"].values()) == {"megatron_bitdet.kernels.ssd:ssd_chunk_scan_combined"}
+    assert set(runs["te_attention_nondeterministic"].values()) == {
+        "megatron.core.transformer.dot_product_attention:DotProductAttention"}
+    assert plan(recipe, environ={}, late=False, runs=by_rule(walk_built([model])))[2] == []
+
+
+def test_built_model_audit_refuses_a_known_source_it_finds():
+    """A built module of a catalog class is judged as the class, whatever the recipe says. Stand-in:
+    megatron's legacy GroupedMLP needs the grouped_gemm CUDA package to be constructed, so the built
+    instance is a GroupedMLP subclass initialized as a bare torch Module (its class is what is judged)."""
+    from megatron.core.transformer.moe.experts import GroupedMLP
+
+    from megatron_bitdet.enforce import plan
+    from megatron_bitdet.enforce.audit import by_rule, walk_built
+
+    class BuiltGroupedMLP(GroupedMLP):
+        def __init__(self):
+            torch.nn.Module.__init__(self)
+
+    model = torch.nn.ModuleDict({"mlp": torch.nn.ModuleDict({"experts": BuiltGroupedMLP()})})
+    [found] = by_rule(walk_built([model]))["te_grouped_gemm"]
+    assert (found.position, found.source) == ("chunk0.mlp.experts", "grouped_gemm_dprob_atomics")
+    violations = plan(_recipe("model.moe.expert_impl=sequential", "determinism.swaps=false"), environ={},
+                      late=False, runs=by_rule(walk_built([model])))[2]
+    assert [v.rule_id for v in violations] == ["te_grouped_gemm"]
+    assert "chunk0.mlp.experts is test_model:" in violations[0].message
+
+
 def test_applied_patches_are_the_selected_ones(hybrid):
     _, _, records = hybrid
     assert [r["id"] for r in records] == EXPECTED_PATCHES
