@@ -288,7 +288,7 @@ def test_grouped_mlp_config_is_validated(megatron_1rank):
         _experts(GroupedProbMLP, moe_config(add_bias_linear=True))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton grouped MLP needs CUDA")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the Triton grouped MLP needs a CUDA device (and the triton package)")
 def test_triton_grouped_mlp_private_slots_are_repeatable_and_match_torch():
     pytest.importorskip("triton")
     dev = torch.device("cuda")
