@@ -4,10 +4,10 @@ One rank process (started by bitdet's launcher with the run's determinism enviro
 gloo world, the tiny hybrid recipe with ``parallel.expert=1`` (so one rank
 holds every expert), set up exactly as ``bitdet train`` does. Each round runs one training step
 (forward+backward over all micro-batches, optimizer, scheduler) and then the fingerprint work the
-loop does for it (``buffer_digest`` over the DDP grad buffers, then the loop's own ``state_digests``:
-params, the model's buffers, the generators it holds found by walking its modules, the precision
-digests; then one JSON line written and flushed; the writer fsyncs once, at close), timing both:
-interleaved by construction, medians over the rounds.
+loop does for it (``StepDigests``: the grads' digests, then the state's: params, the model's
+buffers, the generators it holds, the precision digests; then the digests read back and one JSON
+line written and flushed; the writer fsyncs once, at close), timing both: interleaved by
+construction, medians over the rounds.
 
     .venv/bin/python benchmarks/bench_fingerprint_overhead.py [--steps 30] [--warmup 3] [KEY=VALUE ...]
 """
@@ -57,22 +57,23 @@ def train_step(state, data, forward_backward) -> None:
     loop_step(state, data, forward_backward)
 
 
-def fingerprint(state, writer, step: int) -> float:
-    """What the loop adds per step: the grad buffers' digest, the loop's ``state_digests``, then one
-    flushed line; returns the time at which the digests were done (so the line's write is
-    reported apart)."""
-    from megatron_bitdet.train.step_fingerprints import buffer_digest, state_digests
-
-    digests = state_digests(state.ddp_modules, buffer_digest(state.ddp_modules, "grad_data"))
-    digested = time.perf_counter()
-    writer.write(step, {"loss": 1.0, "lr": 0.001}, digests)
-    return digested
+def fingerprint(digests, writer, step: int) -> tuple[float, int]:
+    """What the loop adds per step: the grads' digests (in training launched before the optimizer), the
+    state's (``StepDigests.state``), then one line: the digests read back, the line written and
+    flushed. Returns the time at which the digests were launched (the line reported apart) and the
+    bytes the line's slices cover (this rank's share of the DDP buffers)."""
+    digests.grads(step)
+    digests.state(step)
+    launched = time.perf_counter()
+    line = writer.write(step, {"loss": 1.0, "lr": 0.001}, *digests.resolve())
+    return launched, sum(hi - lo for rec in line["slices"] for lo, hi, _ in rec["parts"])
 
 
 def bench_worker(rank: int, world_size: int, *, recipe: dict, steps: int, warmup: int, work_dir: str) -> int:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
+    from megatron_bitdet.train.step_fingerprints import StepDigests
 
     recipe, enforcement = _ENFORCEMENT[0]
     state, data = build(recipe, enforcement)
@@ -80,12 +81,12 @@ def bench_worker(rank: int, world_size: int, *, recipe: dict, steps: int, warmup
     n_params = sum(b.param_data.numel() for m in state.ddp_modules for b in m.buffers + m.expert_parallel_buffers)
     n_modules = sum(1 for m in state.ddp_modules for _ in m.module.named_modules())  # what the state walks visit
     step_ms, fp_ms, digest_ms = [], [], []
-    writer = StepFingerprintWriter(work_dir, rank)
+    writer, digests = StepFingerprintWriter(work_dir, rank), StepDigests(state.ddp_modules)
     for step in range(1, steps + warmup + 1):
         t0 = time.perf_counter()
         train_step(state, data, forward_backward)
         t1 = time.perf_counter()
-        digested = fingerprint(state, writer, step)
+        digested, nbytes = fingerprint(digests, writer, step)
         t2 = time.perf_counter()
         if step > warmup:
             step_ms.append((t1 - t0) * 1e3)
@@ -96,8 +97,9 @@ def bench_worker(rank: int, world_size: int, *, recipe: dict, steps: int, warmup
     print(f"nemotron_h_tiny (parallel.expert=1), 1 rank, {recipe.determinism.threads} threads, "
           f"{n_params:,} params in DDP buffers, {n_modules} modules; {steps} steps after {warmup} warm-up")
     print(f"step (fwd+bwd+optimizer): median {statistics.median(step_ms):.2f} ms")
-    print(f"fingerprint: median {statistics.median(fp_ms):.3f} ms = digests "
-          f"{statistics.median(digest_ms):.3f} ms + line write/flush")
+    print(f"fingerprint: median {statistics.median(fp_ms):.3f} ms = digests launched "
+          f"{statistics.median(digest_ms):.3f} ms + read back, line written/flushed; "
+          f"{nbytes:,} bytes of DDP buffers digested a step on this rank")
     print(f"overhead: median per-step ratio {ratio * 100:.3f}% of a step (target <= 0.3%)")
     return 0
 

@@ -3,8 +3,18 @@ import pytest
 import torch
 
 from megatron_bitdet.errors import BitdetInputError
-from megatron_bitdet.train.module_state import (buffers_digest, capture_module_rng, generators_digest,
-                                                module_generators, restore_module_rng)
+from megatron_bitdet.fingerprint import state_digest
+from megatron_bitdet.train.module_state import (capture_module_rng, module_buffers, module_generators,
+                                                restore_module_rng)
+
+
+def buffers_digest(modules):
+    return state_digest(module_buffers(modules).items())
+
+
+def generators_digest(modules):
+    states = capture_module_rng(modules)
+    return state_digest(states.items()) if states else None
 
 
 class Holder(torch.nn.Module):

@@ -2,8 +2,18 @@
 
 One JSON line per step per rank under ``RUN_DIR/fingerprints/rank_XXXXX.jsonl`` (path: ``rundir``)::
 
-    {"v": 1, "step": 3, "rank": 0, "metrics": {"loss": "float32:3f8ccccd", ...},
-     "digests": {"params": "xxh3_128:<hex>", "grads": "xxh3_128:<hex>"}}
+    {"v": 2, "step": 3, "rank": 0, "metrics": {"loss": "float32:3f8ccccd", ...},
+     "digests": {"params": "pos64r:<hex>", "grads": "pos64r:<hex>", "buffers": "pos64r:<hex>"},
+     "slices": [{"kind": "params", "buf": "0.dense.0", "group": "1f2e3d4c", "index": 0, "of": 2,
+                 "sharded": false, "bytes": 717824, "parts": [[0, 90112, "<hex>"], ...]},
+                {"kind": "params", "buf": "0.dense.0", "group": "1f2e3d4c", "index": 0, "of": 2,
+                 "check_of": 1, "parts": [[409600, 458752, "<hex>"]]}, ...]}
+
+v2 (``fingerprint.shards``): the digests are computed on the state's device; a DDP buffer replicated
+over ``of`` ranks is digested in slices, ``digests[kind]`` folding this rank's own chunks, ``slices``
+saying which bytes each chunk covers and which chunk of another replica's slice this rank checked.
+v1 lines (``xxh3_128`` of every rank's whole buffers, no ``slices``) still read; their digests are
+not comparable with v2's (``analysis.compare`` refuses to compare them).
 
 A comparison is only as good as its input: every malformed, truncated or foreign line is refused
 with its file and line (BitdetInputError, exit 2) instead of being skipped, so a "match" can never
@@ -14,14 +24,15 @@ from __future__ import annotations
 import json
 import os
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_bits, encode_float
 from megatron_bitdet.rundir import fingerprint_path
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 RANK_FILE = re.compile(r"rank_(\d+)\.jsonl")
 DIGEST_PREFIX = "digest:"  # digests share the name space of metrics as "digest:<name>"
 
@@ -37,7 +48,7 @@ class StepFingerprintWriter:
         self.rank = rank
         self._f = open(path, "a", encoding="utf-8")
 
-    def write(self, step: int, metrics: dict, digests: dict) -> dict:
+    def write(self, step: int, metrics: dict, digests: dict, slices: list) -> dict:
         """Append the step's line; returns it (as written) for whoever checks it on the fly (replay)."""
         line = {
             "v": FORMAT_VERSION,
@@ -45,6 +56,7 @@ class StepFingerprintWriter:
             "rank": self.rank,
             "metrics": {k: encode_float(v) for k, v in metrics.items() if v is not None},
             "digests": digests,
+            "slices": slices,
         }
         self._f.write(json.dumps(line, separators=(",", ":")) + "\n")
         self._f.flush()
@@ -64,6 +76,8 @@ class StepRecord:
     metrics: dict[str, str]
     digests: dict[str, str]
     line: int
+    version: int = FORMAT_VERSION
+    slices: list = field(default_factory=list)
 
     def values(self) -> dict[str, str]:
         """Metrics and digests under one name space (digests prefixed)."""
@@ -114,8 +128,9 @@ def _parse_record(obj, path: Path, no: int, rank: int) -> StepRecord:
     if not isinstance(obj, dict) or "v" not in obj or "metrics" not in obj:
         what = "not a bitdet fingerprint file" if first else "not a fingerprint line"
         raise BitdetInputError(f"{where}: {what} (expected a JSON object with 'v', 'step', 'metrics')")
-    if obj["v"] != FORMAT_VERSION:
-        raise BitdetInputError(f"{where}: unsupported fingerprint format version {obj['v']!r} (expected 1)")
+    if obj["v"] not in READABLE_VERSIONS or isinstance(obj["v"], bool):
+        raise BitdetInputError(f"{where}: unsupported fingerprint format version {obj['v']!r} "
+                               f"(expected one of {', '.join(map(str, READABLE_VERSIONS))})")
     if "step" not in obj:
         raise BitdetInputError(f"{where}: line is missing 'step'")
     step = obj["step"]
@@ -134,4 +149,28 @@ def _parse_record(obj, path: Path, no: int, rank: int) -> StepRecord:
     for name, dig in digests.items():
         if not isinstance(dig, str) or ":" not in dig:
             raise BitdetInputError(f"{where}: digest {name!r} is not '<algo>:<hex>': {dig!r}")
-    return StepRecord(step=step, metrics=metrics, digests=digests, line=no)
+    slices = obj.get("slices", [])
+    if obj["v"] >= 2:
+        _check_slices(slices, where)
+    return StepRecord(step=step, metrics=metrics, digests=digests, line=no, version=obj["v"], slices=slices)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _check_slices(slices, where: str) -> None:
+    """A v2 line's slice records, each refused by index with what is wrong."""
+    if not isinstance(slices, list):
+        raise BitdetInputError(f"{where}: 'slices' must be a JSON list")
+    for i, rec in enumerate(slices):
+        ok = (isinstance(rec, dict) and all(isinstance(rec.get(k), str) for k in ("kind", "buf", "group"))
+              and _is_int(rec.get("index")) and _is_int(rec.get("of")) and rec["index"] < rec["of"]
+              and isinstance(rec.get("parts"), list)
+              and all(isinstance(p, list) and len(p) == 3 and _is_int(p[0]) and _is_int(p[1]) and p[0] < p[1]
+                      and isinstance(p[2], str) for p in rec["parts"])
+              and (_is_int(rec.get("check_of")) and rec["check_of"] < rec["of"] if "check_of" in rec
+                   else _is_int(rec.get("bytes")) and isinstance(rec.get("sharded"), bool)))
+        if not ok:
+            raise BitdetInputError(f"{where}: slices[{i}] is not a slice record (kind, buf, group, index < of, "
+                                   "parts [[first byte, end byte, hex], ...], and bytes + sharded or check_of)")

@@ -265,17 +265,3 @@ class BlockedFingerprint:
 
 def fingerprint_blocked(bt: BlockedTensor, config: FingerprintConfig = FingerprintConfig()) -> BlockedFingerprint:
     return BlockedFingerprint(bt.format, bt.block_size, fingerprint(bt.data, config), fingerprint(bt.scales, config))
-
-
-def state_digest(tensors, algo: str = "xxh3_128") -> str:
-    """One xxh3_128 over many tensors in order, names/dtypes/shapes mixed in (per-step params digest).
-
-    Accepts tensors or (name, tensor) pairs; device tensors are copied to host.
-    """
-    h = xxhash.xxh3_128()
-    for i, item in enumerate(tensors):
-        name, t = item if isinstance(item, tuple) else (str(i), item)
-        h.update(f"{name}\x00{dtype_name(t.dtype)}\x00{tuple(t.shape)}\x00".encode())
-        h.update(_host_bytes(t))
-    return f"{algo}:{h.hexdigest()}"
-

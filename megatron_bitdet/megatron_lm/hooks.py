@@ -321,7 +321,8 @@ def rank_tracer(session, model):
     return session.tracer
 
 
-def on_step_end(session, step: int, result, model) -> None:
+def on_step_end(session, step: int, result) -> None:
+    """The step's line: metrics, and the digests launched in the step and now (read back here)."""
     import torch
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import get_args
@@ -453,7 +454,7 @@ def install(session: Session) -> None:
                 session.clock.stop(iteration + 1)
             finally:
                 session.traced = None
-        on_step_end(session, iteration + 1, result, model)
+        on_step_end(session, iteration + 1, result)
         return result
 
     original_load = _ORIGINALS["load_checkpoint"]

@@ -15,7 +15,7 @@ import torch
 from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 from megatron_bitdet.train.console import Console
 from megatron_bitdet.train.module_state import capture_module_rng
-from megatron_bitdet.train.step_fingerprints import buffer_digest, moe_aux_losses, state_digests, step_metrics
+from megatron_bitdet.train.step_fingerprints import StepDigests, moe_aux_losses, step_metrics
 from megatron_bitdet.train.tracing import traced_optimizer_step, traced_step, untraced
 
 
@@ -95,40 +95,39 @@ class StepOutput:
     ok: bool              # False: the optimizer skipped the step
     grad_norm: float | None
     lr: float             # the learning rate the step used
-    grads_digest: str | None = None
 
 
-def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, digest_grads: bool = False,
+def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, digests: StepDigests | None = None,
                batches=None) -> StepOutput:
     """One training step as megatron-LM runs it: zero the gradient buffers, forward and backward over
     every micro-batch, optimizer step, scheduler step. Traced when ``tracer``'s window holds ``step``;
-    ``digest_grads`` fingerprints the reduced gradients before the optimizer consumes them; ``batches``
-    (default ``data``) is the iterator the micro-batches come from."""
+    ``digests`` launches the reduced gradients' digests before the optimizer consumes them (on their
+    device, no host sync); ``batches`` (default ``data``) is the iterator the micro-batches come from."""
     model, recipe = state.ddp_modules, state.recipe
     for m in model:
         m.zero_grad_buffer()
     state.optimizer.zero_grad()
-    grads_digest = None
     with traced_step(tracer, state.config, model, step) as tr:
         losses = forward_backward(
             forward_step_func=forward_step, data_iterator=data if batches is None else batches, model=model,
             num_microbatches=data.num_microbatches, seq_length=recipe.model.seq_length,
             micro_batch_size=recipe.training.micro_batch_size, forward_only=False,
         )
-        if digest_grads:
+        if digests is not None:
             with untraced(tr):
-                grads_digest = buffer_digest(model, "grad_data")
+                digests.grads(step)
         ok, grad_norm, _ = traced_optimizer_step(tr, state.optimizer, model)
     lr = state.optimizer.param_groups[0]["lr"]
     state.scheduler.step(increment=1)
-    return StepOutput(losses, ok, grad_norm, lr, grads_digest)
+    return StepOutput(losses, ok, grad_norm, lr)
 
 
 def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root, save_interval: int,
                 manifest: dict, console: Console, snapshot_at=frozenset(), tracer=None, hooks=(),
                 writer: StepFingerprintWriter | None = None) -> None:
     """Steps ``start + 1`` to ``stop``, each fingerprinted into ``writer`` (default: this rank's
-    writer in ``run_dir``, opened here and closed, fsync'd, at the end)."""
+    writer in ``run_dir``, opened here and closed, fsync'd, at the end): the digests are launched in
+    the step and after it, and read back when the line is written (``StepDigests``)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     from megatron_bitdet.train import checkpoint
@@ -142,6 +141,7 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
         writer = StepFingerprintWriter(run_dir, rank)
     model = state.ddp_modules
     chunks = [m.module for m in model]
+    digests = StepDigests(model)
     try:
         for step in range(start + 1, stop + 1):
             t0 = time.perf_counter()
@@ -149,15 +149,16 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             batches = data
             for hook in hooks:
                 batches = hook.begin(step, state, batches)
-            out = train_step(state, data, forward_backward, tracer=tracer, step=step, digest_grads=True,
+            out = train_step(state, data, forward_backward, tracer=tracer, step=step, digests=digests,
                              batches=batches)
-            losses, ok, grad_norm, lr, grads_digest = out.losses, out.ok, out.grad_norm, out.lr, out.grads_digest
+            digests.state(step)
+            losses, ok, grad_norm, lr = out.losses, out.ok, out.grad_norm, out.lr
             elapsed = time.perf_counter() - t0
             lm_loss = _lm_loss(losses)
             aux = _moe_aux_losses(recipe, data.num_microbatches)
             metrics = step_metrics(lm_loss=lm_loss, aux=aux, aux_coeff=moe_coeff, grad_norm=grad_norm, lr=lr)
             aux_total = metrics["aux_loss"]
-            line = writer.write(step, metrics, state_digests(model, grads_digest))
+            line = writer.write(step, metrics, *digests.resolve())
             console.step(step, stop, elapsed_ms=elapsed * 1000, lr=lr, lm_loss=lm_loss, aux=aux_total,
                          grad_norm=grad_norm, consumed=data.consumed_samples, skipped=0 if ok else 1)
             if save_root and save_interval and step % save_interval == 0:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import torch
 
 from megatron_bitdet.errors import BitdetInputError
-from megatron_bitdet.fingerprint.tensor import state_digest
 
 
 _NEITHER, _GENERATOR, _CONTAINER = 0, 1, 2
@@ -21,7 +20,7 @@ _MODULE_OWN = frozenset(vars(torch.nn.Module()))
 
 def _kind(value) -> int:
     """Whether a value is a generator, a list/tuple/dict to look into, or neither; cached per type:
-    the walk runs at every step, and ``isinstance`` against ``torch.Generator`` misses through a
+    the scan runs over every module, and ``isinstance`` against ``torch.Generator`` misses through a
     Python-level metaclass check."""
     t = type(value)
     kind = _KINDS.get(t)
@@ -35,8 +34,8 @@ def _kind(value) -> int:
 
 def walk(chunks) -> list[tuple[int, str, torch.nn.Module]]:
     """(chunk index, module path, module) for every module, each chunk's ``named_modules()`` in order:
-    the one walk of the model that a step's digests share (``step_fingerprints.state_digests``; each
-    digest walking the modules itself made four walks a step)."""
+    the one walk the readers of a model's state share (a checkpoint, a snapshot; the per-step digests
+    walk only when the model's structure changed: ``step_fingerprints.StepDigests``)."""
     return [(i, name, m) for i, chunk in enumerate(chunks) for name, m in chunk.named_modules()]
 
 
@@ -44,6 +43,12 @@ def named_members(walked, members: str):
     """(chunk index, qualified name, tensor) as each chunk's ``named_buffers()`` (``members`` "_buffers")
     or ``named_parameters()`` ("_parameters") lists them — None skipped, a tensor reachable twice in a
     chunk named once — read from a walk instead of walking again."""
+    for i, name, _, _, t in _members(walked, members):
+        yield i, name, t
+
+
+def _members(walked, members: str):
+    """``named_members`` with each tensor's holder: (chunk, qualified name, module, key, tensor)."""
     chunk, seen = None, set()
     for i, name, module in walked:
         if i != chunk:
@@ -52,7 +57,7 @@ def named_members(walked, members: str):
             if t is None or id(t) in seen:
                 continue
             seen.add(id(t))
-            yield i, f"{name}.{key}" if name else key, t
+            yield i, f"{name}.{key}" if name else key, module, key, t
 
 
 def _held(container, depth: int = 0):
@@ -97,6 +102,17 @@ def module_buffers(modules, walked=None) -> dict[str, torch.Tensor]:
     return {f"{i}.{name}": b for i, name, b in named_members(walk(modules) if walked is None else walked, "_buffers")}
 
 
+def module_buffer_sources(walked) -> list[tuple[str, torch.nn.Module, str]]:
+    """(name as ``module_buffers`` gives it, holding module, key): where the per-step digests re-read
+    each buffer (a module may rebind one) without walking the model again."""
+    return [(f"{i}.{name}", m, key) for i, name, m, key, _ in _members(walked, "_buffers")]
+
+
+def generator_sources(walked) -> list[tuple[str, torch.Generator]]:
+    """(name, generator) for every generator the walked modules hold (``module_generators``)."""
+    return list(module_generators(None, walked).items())
+
+
 def capture_module_rng(modules, walked=None) -> dict[str, torch.Tensor]:
     return {where: gen.get_state() for where, gen in module_generators(modules, walked).items()}
 
@@ -114,13 +130,3 @@ def restore_module_rng(modules, saved, *, source) -> None:
         raise BitdetInputError(f"{source}: {'; '.join(problems)}: a resume would not continue bit for bit")
     for where, gen in live.items():
         gen.set_state(saved[where])
-
-
-def buffers_digest(modules, walked=None) -> str:
-    return state_digest(module_buffers(modules, walked).items())
-
-
-def generators_digest(modules, walked=None) -> str | None:
-    """Digest of the generators' states; None when the model holds none."""
-    states = capture_module_rng(modules, walked)
-    return state_digest(states.items()) if states else None

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import torch
 
-from megatron_bitdet.fingerprint.tensor import state_digest
 from megatron_bitdet.kernels.fp8_linear import emulated_fp8_modules
 from megatron_bitdet.train.module_state import named_members, walk
 
@@ -119,21 +118,3 @@ def fault_drop_fp8_scaling(ddp_modules) -> None:
     """Test-only restore fault: the scaling state left as a fresh model has it (amax history dropped)."""
     for _, m in emulated_fp8_modules(_walk(ddp_modules)):
         m.reset_fp8_scaling()
-
-
-def step_digests(ddp_modules, walked=None) -> dict[str, str]:
-    """Per-step fingerprint digests beyond params/grads: the fp32 source of a mixed-precision run, and
-    FP8's encoded weight values, their scales and the scaling state (hashed byte for byte, float8 too).
-    ``walked``: ``_walk(ddp_modules)``, when the caller has it."""
-    walked = _walk(ddp_modules) if walked is None else walked
-    out = {}
-    mains = main_params(ddp_modules, walked)
-    if mains:
-        out["main_params"] = state_digest(mains)
-    fp8 = emulated_fp8_modules(walked)
-    encoded = [(n, m.fp8_encoded_weight) for n, m in fp8 if m.fp8_encoded_weight is not None]
-    if encoded:
-        out["fp8_values"] = state_digest((n, e.data) for n, e in encoded)
-        out["fp8_scales"] = state_digest([*((n, e.scales) for n, e in encoded),
-                                          *fp8_scaling_state(ddp_modules, walked).items()])
-    return out

@@ -1,8 +1,13 @@
-"""What a training step's fingerprint line holds, taken from megatron's DDP buffers (the line's
-format and writer: ``fingerprint.steps``)."""
+"""What a training step's fingerprint line holds, taken from megatron's DDP buffers and the model's
+other state (the line's format and writer: ``fingerprint.steps``; the digests' algorithm, slicing and
+per-rank cost: ``fingerprint.shards``)."""
 from __future__ import annotations
 
-from megatron_bitdet.fingerprint.tensor import state_digest
+from dataclasses import dataclass
+
+from megatron_bitdet.fingerprint.shards import (
+    CHECK_CHUNKS, Group, Job, Layout, Pending, chunk_rows, combine, named_digest, slice_rows,
+)
 
 
 def moe_aux_losses(num_microbatches: int, *, names=None, clear: bool = True) -> dict:
@@ -44,30 +49,168 @@ def ddp_buffers(ddp_modules, attr: str) -> list:
     return [getattr(b, attr) for m in ddp_modules for b in (*m.buffers, *m.expert_parallel_buffers)]
 
 
-def buffer_digest(ddp_modules, attr: str) -> str:
-    """Digest of the rank's DDP buffers: one hash over a few large tensors, negligible next to a step.
-    Without the distributed optimizer megatron allocates no ``param_data`` for 16-bit params: those
-    buffers are digested as their params, in buffer order."""
-    buffers = [b for m in ddp_modules for b in (*m.buffers, *m.expert_parallel_buffers)]
-    return state_digest(item for i, b in enumerate(buffers)
-                        for item in ([(f"buf{i}", getattr(b, attr))] if getattr(b, attr) is not None
-                                     else [(f"buf{i}.{j}", p.detach()) for j, p in enumerate(b.params)]))
+@dataclass
+class Region:
+    """A DDP buffer's tensors of one kind (``params``, ``grads``, ``main_params``) and its replicas.
+    ``sharded``: megatron's owned shard (distributed optimizer), held by this rank alone: digested
+    whole; otherwise the tensors are replicated over ``group`` and each member digests its slice."""
+
+    kind: str
+    buf: str
+    tensors: list
+    group: Group
+    sharded: bool
+
+    def __post_init__(self):
+        self.layout = Layout.of(self.tensors)
+
+    def jobs(self, step: int) -> list[Job]:
+        """This step's own slice (``CHECK_CHUNKS`` chunks with replicas) and the replica check: chunk
+        ``step mod K`` of the next member's slice."""
+        rows, g = self.layout.rows, self.group
+        if self.sharded or g.size == 1:
+            return [Job(self.tensors, self.layout, 0, rows, [(0, rows)], (self, None))]
+        lo, hi = slice_rows(rows, g.index, g.size)
+        owner = (g.index + 1) % g.size
+        a, b = chunk_rows(*slice_rows(rows, owner, g.size), CHECK_CHUNKS)[step % CHECK_CHUNKS]
+        return [Job(self.tensors, self.layout, lo, hi, chunk_rows(lo, hi, CHECK_CHUNKS), (self, None)),
+                Job(self.tensors, self.layout, a, b, [(a, b)], (self, owner))]
+
+    def record(self, owner, parts) -> dict:
+        rec = {"kind": self.kind, "buf": self.buf, "group": self.group.key, "index": self.group.index,
+               "of": self.group.size}
+        if owner is None:
+            rec.update(sharded=self.sharded, bytes=self.layout.total)
+        else:
+            rec["check_of"] = owner
+        rec["parts"] = [list(p) for p in parts]
+        return rec
 
 
-def state_digests(model, grads_digest: str) -> dict:
-    """Every digest a step's fingerprint line carries beside ``grads_digest``: params (DDP buffers),
-    the model's buffers (router expert_bias, ...), its own generators' states when it holds any, and
-    the precision digests (``precision.step_digests``). One function for both loops (bitdet's and
-    Megatron-LM's), and what ``benchmarks/bench_fingerprint_overhead.py`` times."""
-    from megatron_bitdet.train.module_state import buffers_digest, generators_digest, walk
-    from megatron_bitdet.train.precision import step_digests
+def _buffer_params(buffer) -> list:
+    """A DDP buffer's params in buffer order."""
+    return sorted(buffer.params, key=lambda p: buffer.param_index_map[p][0])
 
-    chunks = [m.module for m in model]
-    walked = walk(chunks)  # the modules as they are now, walked once for every digest below
-    digests = {"params": buffer_digest(model, "param_data"), "grads": grads_digest,
-               "buffers": buffers_digest(chunks, walked)}
-    generators = generators_digest(chunks, walked)
-    if generators is not None:
-        digests["generators"] = generators
-    digests.update(step_digests(model, walked))
-    return digests
+
+def ddp_regions(ddp_modules) -> list[Region]:
+    """Every DDP buffer as regions, in a fixed order (chunk, dense then expert, kind): params (the
+    all-gathered ``param_data``, or the params themselves where megatron keeps none), grads (with the
+    distributed optimizer the shard this rank owns after the reduce-scatter, per bucket as megatron
+    cuts it), and the fp32 main params of 16-bit params."""
+    regions = []
+    for ci, m in enumerate(ddp_modules):
+        for family, buffers in (("dense", m.buffers), ("expert", m.expert_parallel_buffers)):
+            for bi, b in enumerate(buffers):
+                name, group = f"{ci}.{family}.{bi}", Group.of(b.data_parallel_group)
+                distopt = b.ddp_config.use_distributed_optimizer
+                params = _buffer_params(b)
+                regions.append(Region("params", name, [b.param_data] if b.param_data is not None
+                                      else [p.detach() for p in params], group, False))
+                if distopt:
+                    owned = [bk.grad_data[bk.grad_data.numel() // group.size * group.index:]
+                             [:bk.grad_data.numel() // group.size] for bk in b.buckets]
+                    regions.append(Region("grads", name, owned, group, True))
+                else:
+                    regions.append(Region("grads", name, [b.grad_data], group, False))
+                mains = [p.main_param for p in params if getattr(p, "main_param", None) is not None]
+                if mains:
+                    sharded = any(getattr(p, "main_param_sharded", False) for p in params)
+                    regions.append(Region("main_params", name, mains, group, sharded))
+    return regions
+
+
+class StepDigests:
+    """One rank's per-step digests (fingerprint format v2), launched on the state's device with no
+    host sync — ``grads`` right before the optimizer consumes them, ``state`` after the step — and read
+    back once, by ``resolve``, at the log point. The regions are made at the first step; the model's
+    small state (buffers, generators, FP8) is found by one walk, redone only when a count of the
+    modules' attributes, buffers and children changes (an attribute rebound to another generator
+    without changing that count is found at the next walk: checkpoints and snapshots walk anew)."""
+
+    def __init__(self, ddp_modules):
+        self.model = list(ddp_modules)
+        self.pending = Pending()
+        self._regions: list[Region] | None = None
+        self._modules: list | None = None
+        self._signature = None
+        self._sources = None
+        self._seq = 0
+        self._small: dict[str, str] = {}
+
+    def _launch(self, jobs: list[Job]) -> None:
+        for job in jobs:
+            job.tag = (self._seq, job.tag)
+            self._seq += 1
+        self.pending.launch(jobs)
+
+    def regions(self) -> list[Region]:
+        if self._regions is None:
+            self._regions = ddp_regions(self.model)
+        return self._regions
+
+    def grads(self, step: int) -> None:
+        """Launch the reduced grads' digests (before the optimizer step consumes or clips them)."""
+        self._launch([j for r in self.regions() if r.kind == "grads" for j in r.jobs(step)])
+
+    def state(self, step: int) -> None:
+        """Launch the digests of the state the step left: params, main params, the model's buffers,
+        its generators' states, FP8 encoded weights and scaling state."""
+        self._launch([j for r in self.regions() if r.kind != "grads" for j in r.jobs(step)])
+        jobs = []
+        for kind, named in self._small_state().items():
+            job, self._small[kind] = named_digest(named, kind)
+            jobs.append(job)
+        self._launch(jobs)
+
+    def _small_state(self) -> dict[str, list]:
+        from megatron_bitdet.kernels.fp8_linear import emulated_fp8_modules
+        from megatron_bitdet.train.module_state import generator_sources, module_buffer_sources, walk
+        from megatron_bitdet.train.precision import fp8_scaling_state
+
+        chunks = [m.module for m in self.model]
+        if self._modules is None:
+            self._modules = [m for c in chunks for m in c.modules()]
+        signature = sum(len(m.__dict__) + len(m._buffers) + len(m._modules) for m in self._modules)
+        if signature != self._signature:
+            walked = walk(chunks)
+            self._modules = [m for _, _, m in walked]
+            fp8 = emulated_fp8_modules(walked)
+            held = [t for t in walked if fp8_scaling_state(None, [t])]
+            self._sources = (module_buffer_sources(walked), generator_sources(walked), fp8, held)
+            self._signature = signature
+        buffers, generators, fp8, held = self._sources
+        out = {"buffers": [(n, m._buffers[k]) for n, m, k in buffers if m._buffers.get(k) is not None]}
+        if generators:
+            out["generators"] = [(n, g.get_state()) for n, g in generators]
+        encoded = [(n, m.fp8_encoded_weight) for n, m in fp8 if m.fp8_encoded_weight is not None]
+        if encoded:
+            out["fp8_values"] = [(n, e.data) for n, e in encoded]
+            out["fp8_scales"] = [*((n, e.scales) for n, e in encoded), *fp8_scaling_state(None, held).items()]
+        return out
+
+    def resolve(self) -> tuple[dict[str, str], list[dict]]:
+        """(digests by kind, slice records) of everything launched since the last call: one transfer
+        per device. A DDP kind's digest folds this rank's own chunks; the records let the reader
+        combine a step's digest across replicas and compare replicas (``analysis.replicas``)."""
+        own: dict[str, list[str]] = {}
+        small: dict[str, list[str]] = {}
+        algo: dict[str, str] = {}
+        records = []
+        for job, parts in sorted(self.pending.resolve(), key=lambda jp: jp[0].tag[0]):
+            _, tag = job.tag
+            algo[tag if isinstance(tag, str) else tag[0].kind] = job.algo
+            if isinstance(tag, str):
+                small.setdefault(tag, []).extend(h for _, _, h in parts)
+                continue
+            region, owner = tag
+            records.append(region.record(owner, parts))
+            if owner is None:
+                own.setdefault(region.kind, []).extend(f"{region.buf}:{lo}-{hi}:{h}" for lo, hi, h in parts)
+        digests = {}
+        for kind in ("params", "grads", "buffers", "generators", "main_params", "fp8_values", "fp8_scales"):
+            if kind in own:
+                digests[kind] = f"{algo[kind]}:{combine(own[kind])}"
+            elif kind in small:
+                digests[kind] = f"{algo[kind]}:{combine([self._small[kind], *small[kind]])}"
+        self._small.clear()
+        return digests, records
