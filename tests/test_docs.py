@@ -457,3 +457,15 @@ def test_every_documented_command_line_parses(page):
         except SystemExit:
             refused.append(f"{command}\n    {err.getvalue().strip().splitlines()[-1]}")
     assert not refused, f"{page.relative_to(REPO)}: commands argparse refuses:\n" + "\n".join(refused)
+
+
+def test_the_readmes_recipe_commands_succeed(capsys):
+    """The README's `bitdet recipe ...` lines run as written (they are cheap: no training), exit 0."""
+    import shlex
+
+    from megatron_bitdet.cli import main
+
+    commands = [c for c in shell_commands(REPO / "README.md") if c.startswith("bitdet recipe ")]
+    assert len(commands) >= 3, commands
+    for command in commands:
+        assert main(shlex.split(command)[1:]) == 0, (command, capsys.readouterr().err)

@@ -9,7 +9,7 @@ import yaml
 EXAMPLES = """examples:
   bitdet recipe validate nemotron_h_tiny
   bitdet recipe validate nemotron_h_tiny model.moe.router_fusion=true   # refused: rule id, why, fix
-  bitdet recipe show nemotron3_nano parallel.tensor=4
+  bitdet recipe show nemotron3_nano parallel.tensor=2
   bitdet recipe megatron-args nemotron_h_8b     # the same run as Megatron-LM flags
 
 exit status: 0 valid, 2 schema error or a feature without a deterministic path"""
