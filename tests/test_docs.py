@@ -4,8 +4,10 @@ swap too), canonical environment variable (enforce/env.py), patch declaration (p
 catalog entry (catalog/known_sources.yaml) has its doc line, and no doc line names one that does not
 exist. A failure says which line to add (ready to paste, description aside) or which to remove.
 
-The last tests build mismatches on the real declarations (a rule, a recipe key, a subcommand, an option
-added in code; a row the code lacks) and check each check catches them with that message."""
+The drift tests build mismatches on the real declarations (a rule, a recipe key, a subcommand, an option
+added in code; a row the code lacks) and check each check catches them with that message. Last, every
+relative link in README.md and docs/ resolves, every documented `bitdet` line parses, and the README's
+`bitdet recipe` lines run."""
 from __future__ import annotations
 
 import argparse
