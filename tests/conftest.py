@@ -3,7 +3,8 @@ session and read by every test that needs it (test_train, test_checkpoint).
 
 Also the ``megatron_lm`` marker: tests that drive Megatron-LM's own pretrain_*.py skip, naming why,
 when ``MEGATRON_LM_PATH`` holds no checkout; with ``BITDET_REQUIRE_MEGATRON_LM=1`` (``.ci/run``) such a
-skip is a failure instead, and the run ends with a line counting the Megatron-LM tests that ran."""
+skip is a failure instead; every run closes (above pytest's tally) with a line counting the Megatron-LM tests
+that ran."""
 from __future__ import annotations
 
 import json
