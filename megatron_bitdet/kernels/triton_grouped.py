@@ -1,4 +1,5 @@
-"""Triton grouped expert MLP (optional GPU extra; imported only when ``GroupedMLPConfig.backend`` asks).
+"""Triton grouped expert MLP (optional GPU extra; imported only when ``GroupedMLPConfig.backend`` asks:
+recipe key ``model.moe.grouped_backend: triton``, refused at build where triton or CUDA is absent).
 
 One row-grouped GEMM kernel with selectable epilogues does the hot work; a K-grouped kernel does the
 weight gradients. Every program accumulates its tile in a fixed loop order and block sizes are pinned

@@ -49,11 +49,8 @@ def _first(value):
 
 
 def _spec(a):
-    impl = getattr(a, "transformer_impl", "transformer_engine")
-    spec = getattr(a, "spec", None) or ()
-    if impl == "local" or (spec and spec[0].startswith("megatron_bitdet")):
-        return "local"
-    return "te"
+    """The family the flags ask for; with ``--spec`` the audit reads it off the spec (``audited``)."""
+    return "local" if getattr(a, "transformer_impl", "transformer_engine") == "local" else "te"
 
 
 def _moe_expert_impl(a):
@@ -116,7 +113,7 @@ TABLE = (
     Flag("model.spec", "--spec", _spec,
          lambda v: ["--transformer-impl", "local", "--spec", "megatron_bitdet.megatron_lm.specs",
                     "local_mamba_stack_spec"] if v == "local" else
-         ["--spec", "megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]),
+         ["--spec", "megatron_bitdet.megatron_lm.specs", "te_mamba_stack_spec"]),
     Flag("model.attention_backend", "--attention-backend", _attention_backend),
     Flag("model.mtp_num_layers", "--mtp-num-layers", _attr("mtp_num_layers", 0),
          lambda v: ["--mtp-num-layers", str(v)] if v else []),

@@ -3,8 +3,11 @@
 - ``pretrain``: bitdet's arguments are chained into whatever ``extra_args_provider`` the script passes;
   under ``--check`` the parsed launch line is judged and nothing trains.
 - ``initialize.validate_args``: before Megatron's one-at-a-time asserts, the parsed args become the run's
-  recipe and are judged (every violation at once, opt-outs honoured), enforcement is enabled, the swaps
-  are installed and the manifest written — all before any process group or model exists.
+  recipe and are judged (every violation at once, opt-outs honoured) on what ``--spec`` will build (the
+  audit walks the spec as data: its experts class, its attention, what its Mamba mixers call), enforcement
+  is enabled, the swaps are installed — into the spec object itself where it holds what a swap replaces —
+  and the manifest written, all before any process group or model exists. Before the first step the
+  built chunks are audited again (``rules.built`` in the manifest).
 - ``build_train_valid_test_data_iterators``: creating the DataLoader iterator draws a seed from the CPU
   generator, which on CPU is also the generator dropout draws from; it draws on a saved-and-restored
   state here, so a resumed run's dropout stream equals the uninterrupted run's.
