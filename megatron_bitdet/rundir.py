@@ -4,7 +4,8 @@
       manifest.json                     written at start by rank 0
       fingerprints/rank_XXXXX.jsonl     one line per step per rank (format: fingerprint.steps)
       checkpoints/iter_NNNNNNN/         + checkpoints/latest (format: train.checkpoint)
-      snapshots/iter_NNNNNNN/rank_XXXXX.pt
+      snapshots/iter_NNNNNNN/rank_XXXXX.json  live-state digests (format: train.snapshot)
+      snapshots/iter_NNNNNNN/rank_XXXXX.full.pt  full tensors, only where asked for (train.snapshot)
       traces/rank_XXXXX.trace.jsonl     with tracing on (format: trace.format)
       stats/rank_XXXXX.stats.jsonl      per-module statistics, a replay's (format: trace.module_stats)
       replay/<name>/                    `bitdet replay`'s runs, each a run directory + replay.json
@@ -50,7 +51,13 @@ def iter_dir(root, iteration: int) -> Path:
 
 
 def snapshot_path(run_dir, step: int, rank: int) -> Path:
-    return Path(run_dir) / "snapshots" / f"iter_{step:07d}" / f"rank_{rank:05d}.pt"
+    """A rank's live-state digest file at ``step``."""
+    return Path(run_dir) / "snapshots" / f"iter_{step:07d}" / f"rank_{rank:05d}.json"
+
+
+def snapshot_full_path(run_dir, step: int, rank: int) -> Path:
+    """The full tensors a snapshot was asked to keep (a second pass, or ``--full-snapshots``)."""
+    return snapshot_path(run_dir, step, rank).with_suffix(".full.pt")
 
 
 def trace_dir(run_dir) -> Path:

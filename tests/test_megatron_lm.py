@@ -269,6 +269,11 @@ def test_verify_resume_holds_on_megatron_checkpoints_with_dropout_and_distopt(ma
     assert {"parameters", "optimizer", "scheduler", "data", "rng.torch_cpu", "rng.tracker"} <= components
     assert all(c["equal"] for c in report["checks"]) and {c["rank"] for c in report["checks"]} == {0, 1}
     assert [p["steps_compared"] for p in report["points"]] == [[1, 2], [3]]
+    # snapshots are digest files: no full-state file in the reference or the chain, no second pass
+    runs, _ = mamba_runs
+    snapshots = [p for d in (tmp_path, runs["a"]) for p in Path(d).rglob("*") if "snapshots" in p.parts and p.is_file()]
+    assert snapshots and all(p.suffix == ".json" for p in snapshots), snapshots
+    assert not list(tmp_path.glob("second_pass_*"))
 
 
 def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(mamba_runs, tmp_path, capsys):
@@ -280,6 +285,16 @@ def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(
     assert "rng.torch_cpu" in resumed["failing_components"]
     assert {"parameters", "optimizer"}.isdisjoint(resumed["failing_components"])
     assert report["first_output_divergence"] == {"2": 3}  # dropout draws from the unrestored generator
+    # the generator's state differs by digest; a targeted second pass (both sides re-run to 2, keeping just
+    # the differing tensors) counts its elements as a full-state comparison did
+    bad = [c for c in report["checks"] if c["component"] == "rng.torch_cpu" and not c["equal"]]
+    assert bad and all("elements differ" in c["detail"] and not c["by_digest"] for c in bad), bad
+    from megatron_bitdet.rundir import snapshot_full_path
+    from megatron_bitdet.train.snapshot import read_full
+
+    kept = read_full(snapshot_full_path(tmp_path / "second_pass_0000002" / "reference", 2, 0))
+    assert set(kept) == {(c["component"], c["key"]) for c in report["checks"]
+                         if c["rank"] == 0 and "elements differ" in c["detail"]}
 
 
 def test_verify_resume_refuses_a_reference_of_another_launch_line_before_any_segment(mamba_runs, tmp_path, capsys):

@@ -48,9 +48,14 @@ def correct_chain(recipe, reference, tmp_path_factory):
     return verify_resume(recipe, [2, 4], nproc=2, out_dir=tmp_path_factory.mktemp("chain"), reference_dir=reference)
 
 
-def test_correct_chain_holds_component_by_component(correct_chain):
+def test_correct_chain_holds_component_by_component(correct_chain, reference):
     report = correct_chain
     assert report.holds, report.summary()
+    # digests only: no full-state file anywhere, no second pass (nothing differed)
+    out = Path(report.out_dir)
+    assert not [p for d in (out, Path(reference)) for p in d.rglob("*.pt") if "snapshots" in p.parts]
+    assert not list(out.glob("second_pass_*"))
+    assert len(list(Path(reference).glob("snapshots/iter_*/rank_*.json"))) == 3 * 2
     assert report.first_output_divergence == {2: None, 4: None}
     assert [p.steps_compared for p in report.points] == [[1, 2], [3, 4], [5, 6]]
     for step in (2, 4):
@@ -71,6 +76,7 @@ def test_skipped_restore_is_named(recipe, reference, correct_chain, tmp_path, fa
     report = faulted_chain(recipe, [2], [fault], fresh_segment=correct_chain.points[0].run_dir,
                            reference_dir=reference, out_dir=tmp_path)
     assert not report.holds
+    assert not any(c.by_digest for c in report.checks)  # every difference counted
     fresh, resumed = report.points
     assert fresh.holds  # the segment before any restore matches the reference
     assert resumed.failing_components == [component]
@@ -112,7 +118,18 @@ def test_cli_skipped_optimizer_moment_exits_1_with_json(reference, tmp_path, cap
     bad = [c for c in out["checks"] if not c["equal"]]
     assert {c["component"] for c in bad} == {"optimizer"}
     assert bad and all(c["key"].endswith(".exp_avg") for c in bad)
-    assert "elements differ" in bad[0]["detail"]
+    assert "elements differ" in bad[0]["detail"] and not any(c["by_digest"] for c in bad)
+    # the counts came from a targeted second pass: both sides re-run to 3, keeping only those tensors in full
+    from megatron_bitdet.rundir import snapshot_full_path
+    from megatron_bitdet.train.snapshot import read_full
+
+    second = tmp_path / "second_pass_0000003"
+    for side in ("reference", "resumed"):
+        for rank in (0, 1):
+            kept = read_full(snapshot_full_path(second / side, 3, rank))
+            assert set(kept) == {(c["component"], c["key"]) for c in bad if c["rank"] == rank}
+    # the chain's own snapshots stay digests
+    assert not [p for p in tmp_path.rglob("*.pt") if "snapshots" in p.parts and second not in p.parents]
 
 
 def test_bad_resume_at_exits_2_without_launching(tmp_path):
@@ -161,13 +178,41 @@ def test_corrupt_or_misplaced_reference_snapshot_is_refused_before_training(reci
     copy = tmp_path / "reference"
     shutil.copytree(reference, copy)
     victim = snapshot_path(copy, 2, 1)
-    victim.write_bytes(victim.read_bytes()[:100])
-    with pytest.raises(BitdetInputError, match="rank_00001.pt: not a readable live-state snapshot"):
+    good = victim.read_text()
+    victim.write_text(good[:100])
+    with pytest.raises(BitdetInputError, match=r"rank_00001.json: not a live-state snapshot \(corrupt JSON\)"):
         verify_resume(recipe, [2], nproc=2, out_dir=tmp_path / "out", reference_dir=copy)
     shutil.copyfile(snapshot_path(copy, 3, 1), victim)
     with pytest.raises(BitdetInputError, match="the snapshot is of step 3 rank 1"):
         verify_resume(recipe, [2], nproc=2, out_dir=tmp_path / "out", reference_dir=copy)
+    data = json.loads(good)  # one chunk digest dropped from a tensor: a truncated leaf, never a shorter comparison
+    leaf = next(e for e in data["leaves"] if isinstance(e[2], dict) and "tensor" in e[2])
+    leaf[2]["tensor"]["chunks"].pop()
+    victim.write_text(json.dumps(data))
+    with pytest.raises(BitdetInputError, match=r"rank_00001.json: leaves\[\d+\] holds \d+ chunk digests"):
+        verify_resume(recipe, [2], nproc=2, out_dir=tmp_path / "out", reference_dir=copy)
+    victim.write_bytes(b"\xff\xfe" + good.encode())
+    assert main(["verify-resume", "--recipe", RECIPE, "--resume-at", "2", "--out", str(tmp_path / "out"),
+                 "--reference", str(copy), *OVERRIDES]) == 2
     assert not (tmp_path / "out").exists()
+
+
+def test_tensor_digests_see_one_bit_in_any_chunk_and_not_where_the_tensor_lies():
+    """Snapshot digests: one flipped bit changes exactly its chunk's digest; the same bytes at an
+    unaligned storage offset (a parameter inside a DDP buffer) digest the same as a fresh copy."""
+    from megatron_bitdet.train.snapshot import CHUNK_BYTES, tensor_digest
+
+    x = torch.randn(3 * CHUNK_BYTES // 4 + 5)  # three whole chunks and a 20-byte tail
+    base = tensor_digest(x)
+    assert len(base.chunks) == 4
+    for element in (0, CHUNK_BYTES // 4 + 7, x.numel() - 1):
+        y = x.clone()
+        y.view(torch.int32)[element] ^= 1 << 30
+        assert base.differing_chunks(tensor_digest(y)) == [element * 4 // CHUNK_BYTES]
+    buf = torch.randn(1001, dtype=torch.bfloat16)
+    assert tensor_digest(buf[1:]) == tensor_digest(buf[1:].clone())
+    assert tensor_digest(buf[1:]) != tensor_digest(buf[:-1])
+    assert not bitwise_equal(base, tensor_digest(x.view(-1)[:-1]))[0]  # another shape
 
 
 def test_bitwise_equal_is_bits_not_values():

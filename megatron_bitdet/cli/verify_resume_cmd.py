@@ -19,9 +19,10 @@ EXAMPLES = """examples:
   bitdet verify-resume --megatron-lm $MEGATRON_LM_PATH/pretrain_mamba.py --resume-at 2 --out runs/vr \
       -- --deterministic-mode --train-iters 4 ...   # Megatron-LM's own --save/--load checkpoints
 
-out directory: reference/ (uninterrupted run with live-state snapshots) and one run directory per
-segment of the chain (segment_NN_<start>-<stop>/): each a fresh launch that restores the previous
-segment's checkpoint. Segment directories are replaced on every invocation."""
+out directory: reference/ (uninterrupted run with live-state snapshots: per-tensor digests) and one
+run directory per segment of the chain (segment_NN_<start>-<stop>/): each a fresh launch that restores
+the previous segment's checkpoint; second_pass_<K>/ where a restored tensor differed (both sides re-run
+to K keeping just those tensors in full, for element counts). Replaced on every invocation."""
 
 
 def register(subparsers, summary: str) -> None:
@@ -35,6 +36,10 @@ def register(subparsers, summary: str) -> None:
     p.add_argument("--reference", metavar="RUN_DIR",
                    help="reuse an uninterrupted run of the same recipe that snapshotted every resume step")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--full-snapshots", action="store_true",
+                   help="every snapshot also keeps its tensors in full (snapshots/iter_K/rank_R.full.pt; the "
+                        "state's size per rank and resume point). Default: per-tensor chunk digests only, and a "
+                        "targeted second pass saves in full just the tensors that differ")
     p.add_argument("--fault-skip-restore", action="append", default=[], metavar="COMPONENT",
                    help="TEST ONLY, for demonstrating detection: every restore skips COMPONENT "
                         "(rng.python, rng.numpy, rng.torch_cpu, rng.tracker, rng.module, data, optimizer.exp_avg, scheduler; "
@@ -53,7 +58,7 @@ def run(args) -> int:
         report = verify_megatron_resume(
             args.megatron_lm, launch_line_after_dashes(args), parse_resume_at(args.resume_at), nproc=args.nproc,
             skip_restore=args.skip_restore,
-            reference_dir=args.reference,
+            reference_dir=args.reference, full_snapshots=args.full_snapshots,
             out_dir=args.out or os.path.join("runs", "verify_resume", os.path.basename(args.megatron_lm)))
         return _print_report(report, args)
     if not args.recipe:
@@ -68,6 +73,7 @@ def run(args) -> int:
     report = verify_resume(
         recipe, resume_at, nproc=args.nproc, out_dir=args.out or os.path.join("runs", "verify_resume", recipe.name),
         model_provider=args.model_provider, faults=args.fault_skip_restore, reference_dir=args.reference,
+        full_snapshots=args.full_snapshots,
     )
     return _print_report(report, args)
 

@@ -6,9 +6,9 @@ import os
 from megatron_bitdet.errors import BitdetError
 
 # a re-run writes into its own run directory only: the original's outputs and tracing are not carried over
-_OUTPUT_FLAGS = ("--run-dir", "--snapshot-at", "--trace", "--trace-steps", "--trace-ranks", "--trace-hash",
-                 "--trace-capture", "--save", "--save-interval", "--persistent-save-interval", "--exit-interval",
-                 "--tensorboard-dir", "--wandb-project", "--wandb-save-dir")
+_OUTPUT_FLAGS = ("--run-dir", "--snapshot-at", "--snapshot-full", "--trace", "--trace-steps", "--trace-ranks",
+                 "--trace-hash", "--trace-capture", "--save", "--save-interval", "--persistent-save-interval",
+                 "--exit-interval", "--tensorboard-dir", "--wandb-project", "--wandb-save-dir")
 
 
 def launch_line(script: str, megatron_args: list, *, nproc: int, run_dir=None) -> int:

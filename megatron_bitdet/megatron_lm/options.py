@@ -18,7 +18,10 @@ def add_entry_args(parser):
     group.add_argument("--run-dir", default=None, metavar="DIR",
                        help="manifest, fingerprints, snapshots, traces (default: ./bitdet_run)")
     group.add_argument("--snapshot-at", default=None, metavar="K1,K2",
-                       help="live-state snapshots as step K+1 begins (bitdet verify-resume)")
+                       help="live-state snapshots (digests) as step K+1 begins (bitdet verify-resume)")
+    group.add_argument("--snapshot-full", default=None, metavar="all|FILE",
+                       help="snapshots also keep these tensors in full: all, or a selection file (verify-resume's "
+                            "second pass)")
     add_trace_args(parser)
     return parser
 

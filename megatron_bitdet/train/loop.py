@@ -123,7 +123,7 @@ def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, dig
 
 
 def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root, save_interval: int,
-                manifest: dict, console: Console, snapshot_at=frozenset(), tracer=None, hooks=(),
+                manifest: dict, console: Console, snapshot_at=frozenset(), snapshot_full=None, tracer=None, hooks=(),
                 writer: StepFingerprintWriter | None = None) -> None:
     """Steps ``start + 1`` to ``stop``, each fingerprinted into ``writer`` (default: this rank's
     writer in ``run_dir``, opened here and closed, fsync'd, at the end): the digests are launched in
@@ -170,7 +170,7 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
                 console.note(f"saved checkpoint iteration {step} to {save_root}")
             if step in snapshot_at:
                 take_snapshot(run_dir, step, rank=rank, ddp_modules=model, optimizer=state.optimizer,
-                              scheduler=state.scheduler, data=data)
+                              scheduler=state.scheduler, data=data, full=snapshot_full)
             if any([hook.end(step, line) for hook in hooks]):  # every hook sees the step
                 break
     finally:

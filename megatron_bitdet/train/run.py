@@ -30,6 +30,7 @@ class RunOptions:
     stop_at: int | None = None           # stop after this iteration (an interruption)
     argv: tuple[str, ...] | None = None  # recorded in the manifest
     snapshot_at: tuple[int, ...] = ()    # live-state snapshots after these iterations (verify-resume)
+    snapshot_full: str | None = None     # tensors the snapshots keep in full: "all" or a selection file
     fault_skip_restore: tuple[str, ...] = ()  # TEST ONLY: restores skip these components
     trace: TraceConfig | None = None     # None: tracing off, nothing installed
     fresh: bool = False                  # empty run_dir first (rundir.fresh): nothing stale mixes in

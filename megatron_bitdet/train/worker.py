@@ -61,7 +61,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
         from megatron_bitdet.train.run import RunOptions
         from megatron_bitdet.train.setup import setup
         from megatron_bitdet.train.module_state import restore_module_rng
-        from megatron_bitdet.train.snapshot import inject_restore_faults, take_snapshot
+        from megatron_bitdet.train.snapshot import inject_restore_faults, read_selection, take_snapshot
         from megatron_bitdet.train.tracing import make_tracer
 
         if not _ENFORCEMENT:
@@ -89,6 +89,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
     console = Console(active=rank == world_size - 1, total=t.iterations)
     start = 0
     snapshot_at = set(opts.snapshot_at)
+    snapshot_full = read_selection(opts.snapshot_full)  # a bad selection file: exit 2 before any step
     faults = list(opts.fault_skip_restore)
     load = opts.load
     if load:
@@ -109,7 +110,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
         console.note(f"resumed from {load} at iteration {start}")
         if start in snapshot_at:
             take_snapshot(run_dir, start, rank=rank, ddp_modules=state.ddp_modules, optimizer=state.optimizer,
-                          scheduler=state.scheduler, data=data)
+                          scheduler=state.scheduler, data=data, full=snapshot_full)
     save_interval = opts.save_interval or 0
     save_root = opts.save or (str(checkpoints_dir(run_dir)) if save_interval else None)
     stop = min(opts.stop_at or t.iterations, t.iterations)
@@ -117,7 +118,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
     try:
         train_steps(state, data, run_dir=run_dir, start=start, stop=stop, save_root=save_root,
                     save_interval=save_interval, manifest=manifest, console=console,
-                    snapshot_at=snapshot_at - {start}, tracer=tracer, hooks=hooks)
+                    snapshot_at=snapshot_at - {start}, snapshot_full=snapshot_full, tracer=tracer, hooks=hooks)
     finally:
         console.close()
         if tracer is not None:

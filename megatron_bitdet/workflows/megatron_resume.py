@@ -15,7 +15,8 @@ from megatron_bitdet.rundir import fresh
 from megatron_bitdet.errors import BitdetInputError
 
 SKIPPABLE = {"rng": "--no-load-rng", "optimizer": "--no-load-optim"}
-_OWNED = ("--save", "--load", "--save-interval", "--exit-interval", "--ckpt-step", "--run-dir", "--snapshot-at")
+_OWNED = ("--save", "--load", "--save-interval", "--exit-interval", "--ckpt-step", "--run-dir", "--snapshot-at",
+          "--snapshot-full")
 
 
 def train_iters(megatron_args: list) -> int:
@@ -63,32 +64,44 @@ def _check_reference(reference: Path, script: str, megatron_args: list, steps: l
 
 
 def verify_megatron_resume(script: str, megatron_args: list, resume_at, *, nproc: int, out_dir,
-                           skip_restore=(), reference_dir=None) -> ResumeReport:
-    """``reference_dir``: reuse an uninterrupted run of the same launch line made with ``--snapshot-at``."""
+                           skip_restore=(), reference_dir=None, full_snapshots: bool = False) -> ResumeReport:
+    """``reference_dir``: reuse an uninterrupted run of the same launch line made with ``--snapshot-at``;
+    ``full_snapshots``: every snapshot also keeps its tensors in full (``--snapshot-full all``)."""
     from megatron_bitdet.megatron_lm.launch import launch_or_fail
 
     iterations = train_iters(megatron_args)
     steps = check_resume_at(resume_at, iterations)
     faults = skipped_restore_flags(skip_restore)
     out_dir = Path(out_dir)
+    keep_all = ["--snapshot-full", "all"] if full_snapshots else []
     if reference_dir is None:
         reference = out_dir / "reference"
         fresh(reference)  # fingerprints append: a stale reference would mix in
-        launch_or_fail(script, [*megatron_args, "--snapshot-at", ",".join(map(str, steps))], nproc=nproc,
+        launch_or_fail(script, [*megatron_args, "--snapshot-at", ",".join(map(str, steps)), *keep_all], nproc=nproc,
                        run_dir=reference, what="reference run")
     else:
         reference = Path(reference_dir)
         _check_reference(reference, script, megatron_args, steps, nproc)
 
-    def segment(run_dir: Path, start: int, stop: int, load_from: Path | None) -> None:
+    def segment(run_dir: Path, start: int, stop: int, load_from: Path | None, full=None) -> None:
+        """One segment, or with ``full`` (a selection file) a second-pass run: the snapshot at ``stop``
+        (a fresh start) or right after restoring ``start``, with one step after it (Megatron-LM takes
+        the snapshot as the next step begins), nothing saved."""
         fresh(run_dir)  # fingerprints append: a stale segment would mix in
         argv = list(megatron_args)
-        if stop != iterations:
-            argv += ["--save", str(run_dir / "checkpoints"), "--save-interval", str(stop), "--exit-interval", str(stop)]
+        if full is not None:
+            argv += ["--exit-interval", str(stop + 1), "--snapshot-full", str(full)]
+            argv += [] if load_from else ["--snapshot-at", str(stop)]
+        else:
+            if stop != iterations:
+                argv += ["--save", str(run_dir / "checkpoints"), "--save-interval", str(stop),
+                         "--exit-interval", str(stop)]
+            argv += keep_all if load_from is not None else []
         if load_from is not None:
             argv += ["--load", str(load_from / "checkpoints"), "--ckpt-step", str(start),
                      "--snapshot-at", str(start), *faults]
-        launch_or_fail(script, argv, nproc=nproc, run_dir=run_dir, what=f"segment {start}->{stop}")
+        what = f"segment {start}->{stop}" + (" (second pass)" if full is not None else "")
+        launch_or_fail(script, argv, nproc=nproc, run_dir=run_dir, what=what)
 
     return run_chain(segment, name=Path(script).name, steps=steps, iterations=iterations, nproc=nproc,
                      out_dir=out_dir, reference_dir=reference, faults=faults)

@@ -9,6 +9,11 @@ checkpoints: every save after the first is made by a process that was itself res
 component that is restored but not re-saved (or saved but not restored) breaks the chain, and the
 segments together cover the whole run without the reference's process ever lending state.
 The reference therefore saves nothing; it only snapshots and fingerprints.
+
+Snapshots are digest files (``train.snapshot``): per-tensor chunk digests, computed on the device, no
+copy of the state on disk. A tensor whose digests differ gets its element counts from a targeted second
+pass: both sides are re-run to K saving only the differing tensors in full (``--full-snapshots``
+saves every tensor in the first pass instead).
 """
 from __future__ import annotations
 
@@ -23,9 +28,6 @@ from megatron_bitdet.errors import BitdetError, BitdetInputError
 from megatron_bitdet.rundir import checkpoints_dir, iter_dir, logs_dir, read_result, snapshot_path
 
 _MISSING = object()
-# Snapshot entries that are split one level deeper into components of their own (rng.python, ...).
-_SPLIT = ("rng",)
-_META = ("step", "rank")
 REPORT_FILE = "verify_resume.json"
 
 
@@ -39,6 +41,7 @@ class StateCheck:
     key: str
     equal: bool
     detail: str = ""
+    by_digest: bool = False  # the detail rests on digests alone: no element counts (no full tensors to count)
 
     @property
     def ok(self) -> bool:
@@ -208,11 +211,13 @@ def _launch(recipe, run_dir: Path, what: str, **kwargs) -> Path:
     return run_dir
 
 
-def run_reference(recipe, resume_at, *, nproc: int, run_dir, model_provider=None) -> Path:
+def run_reference(recipe, resume_at, *, nproc: int, run_dir, model_provider=None, full_snapshots: bool = False) -> Path:
     """The uninterrupted run: live-state snapshots after every resume step, no checkpoints."""
+    from megatron_bitdet.train.snapshot import ALL
+
     steps = check_resume_at(resume_at, recipe.training.iterations)
     return _launch(recipe, Path(run_dir), "reference run", nproc=nproc, save_interval=0,
-                   model_provider=model_provider, snapshot_at=steps)
+                   model_provider=model_provider, snapshot_at=steps, snapshot_full=ALL if full_snapshots else None)
 
 
 def _check_reference(reference_dir: Path, recipe, resume_at: list[int], nproc: int) -> None:
@@ -231,36 +236,43 @@ def _check_reference(reference_dir: Path, recipe, resume_at: list[int], nproc: i
 
 
 def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_provider=None, faults=(),
-                  reference_dir=None) -> ResumeReport:
+                  reference_dir=None, full_snapshots: bool = False) -> ResumeReport:
     """Reference run (or reuse ``reference_dir``) + a chain of resumed segments under ``out_dir``;
-    ``faults`` make every restore skip those components (demonstrates detection)."""
+    ``faults`` make every restore skip those components (demonstrates detection); ``full_snapshots``:
+    every snapshot also writes its tensors in full."""
     iterations = recipe.training.iterations
     steps = check_resume_at(resume_at, iterations)
     faults = _check_faults(faults)
     out_dir = Path(out_dir)
     if reference_dir is None:
         reference_dir = run_reference(recipe, steps, nproc=nproc, run_dir=out_dir / "reference",
-                                      model_provider=model_provider)
+                                      model_provider=model_provider, full_snapshots=full_snapshots)
     reference_dir = Path(reference_dir)
     _check_reference(reference_dir, recipe, steps, nproc)
 
-    return run_chain(recipe_segment(recipe, nproc=nproc, model_provider=model_provider, faults=faults),
+    return run_chain(recipe_segment(recipe, nproc=nproc, model_provider=model_provider, faults=faults,
+                                    full_snapshots=full_snapshots),
                      name=recipe.name, steps=steps, iterations=iterations, nproc=nproc,
                      out_dir=out_dir, reference_dir=reference_dir, faults=faults)
 
 
-def recipe_segment(recipe, *, nproc: int, model_provider=None, faults=()):
+def recipe_segment(recipe, *, nproc: int, model_provider=None, faults=(), full_snapshots: bool = False):
     """``run_chain``'s segment launcher for ``bitdet train`` runs: a fresh launch that restores
-    ``start`` (skipping ``faults``; a fresh start restores nothing), trains to ``stop`` and saves there."""
+    ``start`` (skipping ``faults``; a fresh start restores nothing), trains to ``stop`` and saves there.
+    With ``full`` (a selection file) it is a second-pass run instead: it snapshots at ``stop`` (a fresh
+    start) or right after restoring ``start``, keeping the selected tensors in full, and saves nothing."""
+    from megatron_bitdet.train.snapshot import ALL
+
     iterations = recipe.training.iterations
     faults = _check_faults(faults)
 
-    def segment(run_dir: Path, start: int, stop: int, load_from: Path | None) -> None:
-        last = stop == iterations
-        _launch(recipe, run_dir, f"segment {start}->{stop}", nproc=nproc, model_provider=model_provider,
-                save_interval=0 if last else stop, stop_at=None if last else stop,
+    def segment(run_dir: Path, start: int, stop: int, load_from: Path | None, full=None) -> None:
+        last = stop == iterations or full is not None
+        _launch(recipe, run_dir, f"segment {start}->{stop}" + (" (second pass)" if full else ""), nproc=nproc,
+                model_provider=model_provider, save_interval=0 if last else stop, stop_at=stop,
                 load=None if load_from is None else str(iter_dir(checkpoints_dir(load_from), start)),
-                snapshot_at=[start] if start else [], fault_skip_restore=faults if start else [])
+                snapshot_at=[start or stop] if start or full else [], fault_skip_restore=faults if start else [],
+                snapshot_full=str(full) if full else ALL if full_snapshots else None)
 
     return segment
 
@@ -268,9 +280,9 @@ def recipe_segment(recipe, *, nproc: int, model_provider=None, faults=()):
 def run_chain(segment, *, name: str, steps: list[int], iterations: int, nproc: int, out_dir: Path,
               reference_dir: Path, faults) -> ResumeReport:
     """The chain of fresh launches 0->K1->K2->...->end, each restoring the previous one's checkpoint;
-    ``segment(run_dir, start, stop, load_from)`` launches one (for ``bitdet train`` or Megatron-LM).
-    Every restored state is compared with the reference's snapshot, every later step's fingerprints
-    with the reference's."""
+    ``segment(run_dir, start, stop, load_from, full=None)`` launches one (for ``bitdet train`` or
+    Megatron-LM; ``full``: a second-pass run, see ``recipe_segment``). Every restored state is compared
+    with the reference's snapshot, every later step's fingerprints with the reference's."""
     bounds = [0, *steps, iterations]
     points, checks, previous = [], [], None
     for i, (start, stop) in enumerate(zip(bounds, bounds[1:])):
@@ -279,6 +291,8 @@ def run_chain(segment, *, name: str, steps: list[int], iterations: int, nproc: i
         point = ResumePoint(step=start, stop=stop, run_dir=str(run_dir), state_holds=None)
         if start:
             point_checks = [c for rank in range(nproc) for c in compare_snapshots(reference_dir, run_dir, start, rank)]
+            count_differences(segment, point_checks, reference_dir=reference_dir, run_dir=run_dir, load_from=previous,
+                              step=start, where=out_dir / f"second_pass_{start:07d}")
             checks += point_checks
             point.state_holds = all(c.ok for c in point_checks)
             point.failing_components = list(dict.fromkeys(c.component for c in point_checks if not c.ok))
@@ -347,51 +361,79 @@ def _compare_outputs(reference_dir: Path, run_dir: Path, point: ResumePoint) -> 
 
 
 def compare_snapshots(reference_dir, resumed_dir, step: int, rank: int) -> list[StateCheck]:
-    """Every leaf of the two live-state snapshots at ``step`` for ``rank``, compared bitwise."""
+    """Every leaf of the two snapshots at ``step`` for ``rank``, compared bitwise (tensors by their
+    chunk digests: a tensor that differs is ``by_digest`` until ``count_differences`` counts it)."""
     from megatron_bitdet.train.snapshot import read_snapshot
 
-    ref, res = (read_snapshot(snapshot_path(d, step, rank)) for d in (reference_dir, resumed_dir))
+    ref, res = (read_snapshot(snapshot_path(d, step, rank)).leaves for d in (reference_dir, resumed_dir))
     checks = []
-    for component, a, b in _components(ref, res):
-        for key, va, vb in _leaves(a, b, ""):
-            equal, detail = bitwise_equal(va, vb)
-            checks.append(StateCheck(step, rank, component, key or component, equal, detail))
+    for component, key in dict.fromkeys([*ref, *res]):
+        a, b = ref.get((component, key), _MISSING), res.get((component, key), _MISSING)
+        equal, detail = bitwise_equal(a, b)
+        by_digest = not equal and _same_layout(a, b)
+        checks.append(StateCheck(step, rank, component, key, equal, detail, by_digest))
     return checks
 
 
-def _components(ref: dict, res: dict):
-    for name in dict.fromkeys([*ref, *res]):
-        if name in _META:
-            continue
-        a, b = ref.get(name, _MISSING), res.get(name, _MISSING)
-        if name in _SPLIT and isinstance(a, dict) and isinstance(b, dict):
-            for sub in dict.fromkeys([*a, *b]):
-                yield f"{name}.{sub}", a.get(sub, _MISSING), b.get(sub, _MISSING)
-        else:
-            yield name, a, b
+def _same_layout(a, b) -> bool:
+    from megatron_bitdet.train.snapshot import TensorDigest
+
+    return isinstance(a, TensorDigest) and isinstance(b, TensorDigest) and (a.dtype, a.shape) == (b.dtype, b.shape)
 
 
-def _leaves(a, b, prefix: str):
-    """(dotted key, reference leaf, resumed leaf) pairs; a key on one side only pairs with _MISSING."""
-    if isinstance(a, dict) and isinstance(b, dict):
-        for key in dict.fromkeys([*a, *b]):
-            yield from _leaves(a.get(key, _MISSING), b.get(key, _MISSING), f"{prefix}.{key}" if prefix else str(key))
-    elif isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
-        for i, (x, y) in enumerate(zip(a, b)):
-            yield from _leaves(x, y, f"{prefix}[{i}]")
-    else:
-        yield prefix, a, b
+def count_differences(segment, checks: list[StateCheck], *, reference_dir: Path, run_dir: Path, load_from, step: int,
+                      where: Path) -> None:
+    """Element counts for the tensors whose digests differ, from full tensors: the snapshots' own
+    (``--full-snapshots``) where both sides kept them, else a targeted second pass under ``where`` that
+    re-runs the reference to ``step`` and the restore of ``step`` (``segment(..., full=...)``), each
+    keeping only those tensors in full. A re-run whose digest is not its first run's gets no counts."""
+    from megatron_bitdet.rundir import snapshot_full_path
+    from megatron_bitdet.train.snapshot import read_full, read_snapshot, write_selection
+
+    pending = [c for c in checks if c.by_digest]
+    if not pending:
+        return
+    sides = (reference_dir, run_dir)
+    rerun = not all(snapshot_full_path(d, step, c.rank).is_file() for d in sides for c in pending)
+    if rerun:
+        selection = write_selection(where / "selection.json", [(c.component, c.key) for c in pending])
+        sides = (where / "reference", where / "resumed")
+        segment(sides[0], 0, step, None, full=selection)
+        segment(sides[1], step, step, load_from, full=selection)
+    for rank in sorted({c.rank for c in pending}):
+        full = [read_full(snapshot_full_path(d, step, rank)) for d in sides]
+        if rerun:
+            first, again = ([read_snapshot(snapshot_path(d, step, rank)).leaves for d in dirs]
+                            for dirs in ((reference_dir, run_dir), sides))
+        for c in (c for c in pending if c.rank == rank):
+            leaf = (c.component, c.key)
+            if rerun and any(x.get(leaf) != y.get(leaf) for x, y in zip(first, again)):
+                c.detail += "; the second pass did not reproduce these digests, so no element counts"
+                continue
+            if not all(leaf in f for f in full):
+                raise BitdetError(f"{sides[0]} / {sides[1]}: the full snapshots of step {step} rank {rank} lack "
+                                  f"{c.component} {c.key}")
+            c.equal, c.detail = bitwise_equal(full[0][leaf], full[1][leaf])
+            c.by_digest = False
 
 
 _INT_OF_SIZE = {1: "int8", 2: "int16", 4: "int32", 8: "int64"}
 
 
 def bitwise_equal(a, b) -> tuple[bool, str]:
-    """Tensors: same dtype, shape and bytes. Python values: same type and value (floats by bit pattern)."""
+    """Tensors: same dtype, shape and bytes; tensor digests: same dtype, shape and chunk digests.
+    Python values: same type and value (floats by bit pattern)."""
     import torch
+
+    from megatron_bitdet.train.snapshot import TensorDigest
 
     if a is _MISSING or b is _MISSING:
         return False, f"missing in the {'reference' if a is _MISSING else 'resumed run'}"
+    if isinstance(a, TensorDigest) and isinstance(b, TensorDigest):
+        if (a.dtype, a.shape) != (b.dtype, b.shape):
+            return False, f"{a.dtype}{a.shape} vs {b.dtype}{b.shape}"
+        chunks = a.differing_chunks(b)
+        return not chunks, a.describe(chunks) if chunks else ""
     if torch.is_tensor(a) or torch.is_tensor(b):
         if not (torch.is_tensor(a) and torch.is_tensor(b)):
             return False, f"{type(a).__name__} vs {type(b).__name__}"
