@@ -1,18 +1,39 @@
-"""GPU check: one table of what only an accelerator can show, in one run (<= 8 minutes on one H200).
+"""GPU check: one table of what only an accelerator can show, in one run (<= 8 minutes on one GPU).
 
     python benchmarks/gpu_check.py             # on the GPU machine (megatron-core must be installed)
     python benchmarks/gpu_check.py --dry-run   # anywhere: CPU, tiny shapes, 2 repeats, 2-round launches
 
-Rows: the nondeterministic baselines run N times (atomic Triton grouped-dprob kernel; Transformer
-Engine's fused aux loss and grouped GEMM, mamba_ssm's scan/norm/conv backward where importable) with
-the number of distinct results; each swapped kernel run N times (>= 20) with its distinct results (1 =
-bitwise repeatable) and its time ratio to its baseline; the per-step tax of the default recipe (EP1, one
-rank) and the op-tracing overhead. A row whose package is absent says "not importable: ...". Exit 1
-when a swapped kernel is not bitwise repeatable.
+Every row is independent: a row that raises prints FAILED with its error and the others still run; a
+row whose package is absent says "not importable: ..."; once the 8-minute budget is spent the rows left
+say "skipped". Each finished row is also printed to stderr as it comes, so a killed run keeps what it
+measured; the aligned table goes to stdout at the end, whatever happened. Exit 1 when a row failed or a
+swapped kernel is not bitwise repeatable.
 
-Only the repository and the machine are needed. On a machine without megatron-core, carry its wheel
-(``pip download --no-deps --only-binary=:all: --python-version 3.12 megatron-core==0.16.1``) and put
-it on PYTHONPATH before running; rows that need it say so otherwise.
+Rows:
+- swap kernels: each nondeterministic upstream kernel they replace run N times (atomic Triton grouped
+  dprob, TE's fused aux loss and grouped GEMM, mamba_ssm's scan / norm / conv backward where importable)
+  with the number of distinct results; each swapped kernel run N times (>= 20) with its distinct
+  results (1 = bitwise repeatable) and its time against that baseline;
+- the grouped experts' F.grouped_mm in fp32 and bf16 (see below);
+- FusedAdam resume: TE's (else apex's) FusedAdam saved and restored through compat.checkpoint continues
+  bitwise, and diverges without the group-step rule (megatron_bitdet.testing.optimizer);
+- device digest: the per-step state digest computed on the device, against a device memcpy of the same
+  bytes (fingerprint.shards' device path where present, else fingerprint.tensor's pos64);
+- TE-spec model twins and TE FP8 twins: two independent ``bitdet train`` runs with ``model.spec=te``
+  (the FP8 recipe for the second), compared bit for bit;
+- the default recipe (EP1, one rank): its determinism tax and its module / op tracing overhead.
+
+grouped_mm dtype (decided): the default recipe is fp32 and its grouped experts keep fp32 on CUDA. torch
+serves fp32 ``F.grouped_mm`` on CUDA with its per-group fallback (one cuBLAS GEMM per expert: as
+deterministic as cuBLAS under CUBLAS_WORKSPACE_CONFIG, and slower than the grouped CUTLASS kernel that
+only bf16 gets); casting to bf16 inside the experts would change the numbers the recipe asked for and
+break the bitwise agreement with the sequential experts. bf16 recipes take the fast kernel. The
+grouped_mm rows time both against the per-expert loop they replace.
+
+``--plant-failure CHECK`` makes that check's row raise (CI's proof that one failing row leaves the
+table whole). Only the repository and the machine are needed. On a machine without megatron-core,
+carry its wheel (``pip download --no-deps --only-binary=:all: --python-version 3.12 megatron-core==0.16.1``)
+and put it on PYTHONPATH before running; rows that need it say so otherwise.
 """
 from __future__ import annotations
 
@@ -80,7 +101,7 @@ def _grads(fn, leaves):
     return run
 
 
-# ---- cases: each returns {name: fn} for baseline and swap, or raises ImportError ------------------
+# ---- kernel cases: each returns ({name: fn} of baselines, {name: fn} of swaps), or raises ImportError -----
 
 def grouped_dprob(env: Env, gen):
     from megatron.core.activations import squared_relu
@@ -99,7 +120,7 @@ def grouped_dprob(env: Env, gen):
     if env.dev == "cuda":  # the atomic-add upstream pattern exists as a Triton kernel only
         baseline["triton atomic-add dprob"] = case("triton_atomic")
         swaps["triton (private slots)"] = case("triton")
-    return "grouped-GEMM dprob", baseline, swaps
+    return baseline, swaps
 
 
 def aux_loss(env: Env, gen):
@@ -121,7 +142,7 @@ def aux_loss(env: Env, gen):
     baseline = {"megatron unfused": case(moe_utils.switch_load_balancing_loss_func)}
     if env.dev == "cuda":
         baseline = {"TE fused (atomics)": case(moe_utils.switch_load_balancing_loss_func, fused=True), **baseline}
-    return "MoE aux loss", baseline, {"fixed-order tree": case(switch_load_balancing_loss_func)}
+    return baseline, {"fixed-order tree": case(switch_load_balancing_loss_func)}
 
 
 def ssd_scan(env: Env, gen):
@@ -141,7 +162,7 @@ def ssd_scan(env: Env, gen):
 
         baseline["mamba_ssm Triton scan"] = _grads(
             lambda x, dt, A, B, C: mamba_chunk_scan_combined(x, dt, A, B, C, chunk, dt_softplus=True), leaves)
-    return "Mamba-2 SSD scan", baseline, swaps
+    return baseline, swaps
 
 
 def gated_norm(env: Env, gen):
@@ -156,7 +177,7 @@ def gated_norm(env: Env, gen):
 
         baseline["mamba_ssm Triton rmsnorm"] = _grads(
             lambda x, w, z: rmsnorm_fn(x, w, None, z=z, group_size=d // 2), [x, w, z])
-    return "gated RMSNorm", baseline, swaps
+    return baseline, swaps
 
 
 def conv1d(env: Env, gen):
@@ -171,7 +192,7 @@ def conv1d(env: Env, gen):
 
         baseline["causal_conv1d CUDA"] = _grads(lambda x, w, bias: causal_conv1d_fn(x, w, bias, activation="silu"),
                                                 [x, w, bias])
-    return "causal conv1d", baseline, swaps
+    return baseline, swaps
 
 
 def te_grouped_gemm(env: Env, gen):
@@ -191,65 +212,211 @@ def te_grouped_gemm(env: Env, gen):
         out = layer(x, splits)
         out.backward(torch.ones_like(out))
         return [out, x.grad] + [p.grad for p in layer.parameters()]
-    return "TE grouped GEMM", {"TE GroupedLinear": run}, {}
+    return {"TE GroupedLinear": run}, {}
 
 
-CASES = (grouped_dprob, aux_loss, ssd_scan, gated_norm, conv1d, te_grouped_gemm)
+def grouped_mm(dtype):
+    """The grouped experts' segment GEMM in ``dtype`` against the per-expert loop of GEMMs it replaces
+    (fp32, the default recipe: torch's per-group fallback on CUDA; bf16: the grouped kernel)."""
+    def case(env: Env, gen):
+        import torch.nn.functional as F
+
+        t, h, f, e = env.size((8192, 1024, 2048, 8), (64, 16, 32, 4))
+        offs = torch.arange(1, e + 1, dtype=torch.int32, device=env.dev) * (t // e)
+        x = torch.randn(t, h, generator=gen).to(env.dev, dtype)
+        w = (torch.randn(e, f, h, generator=gen) * 0.02).to(env.dev, dtype).transpose(1, 2)
+        loop = lambda: [torch.cat([x[i * (t // e):(i + 1) * (t // e)] @ w[i] for i in range(e)])]  # noqa: E731
+        return {"per-expert loop": loop}, {"F.grouped_mm": lambda: [F.grouped_mm(x, w, offs=offs)]}
+    return case
 
 
-def kernel_rows(env: Env) -> tuple[list, bool]:
-    rows, ok = [], True
-    for case in CASES:
-        gen = torch.Generator().manual_seed(0)
+CASES = {"grouped-GEMM dprob": grouped_dprob, "MoE aux loss": aux_loss, "Mamba-2 SSD scan": ssd_scan,
+         "gated RMSNorm": gated_norm, "causal conv1d": conv1d, "TE grouped GEMM": te_grouped_gemm,
+         "grouped_mm fp32": grouped_mm(torch.float32), "grouped_mm bf16": grouped_mm(torch.bfloat16)}
+BUDGET_S = 480
+
+
+class Row(tuple):
+    """(check, variant, result, ms, vs baseline) plus whether it failed."""
+
+    failed = False
+
+    def __new__(cls, check, variant, result, ms="", ratio="", *, failed=False):
+        row = super().__new__(cls, (check, variant, result, ms, ratio))
+        row.failed = failed
+        return row
+
+
+class Table:
+    """Runs every row on its own: an error becomes that row's FAILED line; the budget is shared."""
+
+    def __init__(self, plant: str | None, budget_s: float = BUDGET_S):
+        self.plant, self.rows = plant, []
+        self.deadline = time.monotonic() + budget_s
+
+    def left_s(self) -> float:
+        return self.deadline - time.monotonic()
+
+    def add(self, row: Row) -> None:
+        self.rows.append(row)
+        print("row: " + " | ".join(str(c) for c in row), file=sys.stderr, flush=True)
+
+    def check(self, name: str, rows_of) -> None:
+        """``rows_of()`` yields the check's rows; whatever it raises is this check's last row."""
+        if self.left_s() <= 0:
+            self.add(Row(name, "-", f"skipped: the {BUDGET_S // 60}-minute budget is spent"))
+            return
         try:
-            title, baselines, swaps = case(env, gen)
+            if name == self.plant:
+                raise RuntimeError("planted failure (--plant-failure)")
+            for row in rows_of():
+                self.add(row)
         except ImportError as exc:
-            rows.append((case.__name__, "-", f"not importable: {exc}", "", ""))
-            continue
-        base_ms = None
-        for name, fn in baselines.items():
-            try:
-                distinct, ms = repeat(env, fn)
-            except Exception as exc:  # a broken optional extra is a row, not a crash
-                rows.append((title, f"baseline {name}", f"error: {type(exc).__name__}: {exc}"[:120], "", ""))
-                continue
-            base_ms = ms if base_ms is None else base_ms
-            verdict = f"NONDETERMINISTIC ({distinct} distinct)" if distinct > 1 else "repeatable here (1 distinct)"
-            rows.append((title, f"baseline {name}", verdict, f"{ms:.3f}", ""))
-        for name, fn in swaps.items():
-            distinct, ms = repeat(env, fn)
-            ok &= distinct == 1
-            verdict = "bitwise (1 distinct)" if distinct == 1 else f"NOT BITWISE ({distinct} distinct)"
-            rows.append((title, f"swap {name}", verdict, f"{ms:.3f}", f"{ms / base_ms:.2f}x" if base_ms else "n/a"))
-    return rows, ok
+            self.add(Row(name, "-", f"not importable: {exc}"))
+        except (Exception, SystemExit) as exc:  # a launch helper may exit: still one row
+            self.add(Row(name, "-", f"FAILED: {type(exc).__name__}: {exc}"[:160], failed=True))
+
+    def print(self) -> None:
+        head = ("check", "variant", "result", "ms", "vs baseline")
+        widths = [max(len(str(r[i])) for r in [head, *self.rows]) for i in range(5)]
+        for r in [head, tuple("-" * w for w in widths), *self.rows]:
+            print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)).rstrip())
+        sys.stdout.flush()
 
 
-def training_rows(env: Env) -> list:
-    """The default recipe at EP1 on one rank: its tax and its module/op tracing overhead (launches
-    training; the dry run launches the same code for 2 rounds, so a break shows on CPU too)."""
-    from benchmarks.bench_trace_training import measure, paired_ratio
+def _variant(title, kind, name, fn, env, base_ms):
+    """One baseline or swap of a kernel case as a row (its own error as a FAILED row)."""
+    try:
+        distinct, ms = repeat(env, fn)
+    except Exception as exc:  # a broken optional extra is a row, not a crash
+        return Row(title, f"{kind} {name}", f"FAILED: {type(exc).__name__}: {exc}"[:160], failed=True), None
+    if kind == "baseline":
+        verdict = f"NONDETERMINISTIC ({distinct} distinct)" if distinct > 1 else "repeatable here (1 distinct)"
+        return Row(title, f"baseline {name}", verdict, f"{ms:.3f}"), ms
+    verdict = "bitwise (1 distinct)" if distinct == 1 else f"NOT BITWISE ({distinct} distinct)"
+    return Row(title, f"swap {name}", verdict, f"{ms:.3f}", f"{ms / base_ms:.2f}x" if base_ms else "n/a",
+               failed=distinct != 1), ms
+
+
+def kernel_rows(env: Env, title: str, case):
+    baselines, swaps = case(env, torch.Generator().manual_seed(0))
+    base_ms = None
+    for name, fn in baselines.items():
+        row, ms = _variant(title, "baseline", name, fn, env, None)
+        base_ms = base_ms if base_ms is not None or ms is None else ms
+        yield row
+    for name, fn in swaps.items():
+        yield _variant(title, "swap", name, fn, env, base_ms)[0]
+
+
+def fused_adam_rows(env: Env):
+    """Megatron's optimizer class where TE or apex is installed, restored through compat.checkpoint."""
+    from megatron_bitdet.testing.optimizer import load_dropping_group_step, resume_matches
+
+    if env.dev == "cpu":  # dry run: the same path with torch's AdamW (no FusedAdam without CUDA)
+        cls, needs_rule = torch.optim.AdamW, False
+    else:
+        try:
+            from transformer_engine.pytorch.optimizers import FusedAdam as cls
+        except ImportError:
+            from apex.optimizers import FusedAdam as cls
+        needs_rule = True
+    name = f"{cls.__module__}.{cls.__name__}"
+    t0 = time.perf_counter()
+    holds = resume_matches(cls, device=env.dev)
+    without = resume_matches(cls, device=env.dev, load=load_dropping_group_step) if needs_rule else None
+    ms = f"{(time.perf_counter() - t0) * 1000:.1f}"
+    verdict = ("bitwise resume" if holds else "RESUME DIVERGES") + (
+        "" if without is None else "; without the group-step rule " + ("still bitwise (rule not needed?)"
+                                                                       if without else "diverges (rule needed)"))
+    yield Row("FusedAdam resume", name, verdict, ms, failed=not holds)
+
+
+def digest_rows(env: Env):
+    """Throughput of the device-resident state digest against a device memcpy of the same bytes."""
+    try:
+        from megatron_bitdet.fingerprint.shards import state_digest
+
+        name, digest = "fingerprint.shards.state_digest", lambda t: state_digest([t])
+    except ImportError:
+        from megatron_bitdet.fingerprint.tensor import pos_digest as digest
+
+        name = "fingerprint.tensor.pos_digest"
+    n = env.size(1 << 28, 1 << 20)  # float32 elements: 1 GiB on a GPU
+    t = torch.randn(n, generator=torch.Generator().manual_seed(0)).to(env.dev)
+    out = torch.empty_like(t)
+    copied = repeat(env, lambda: [out.copy_(t)])[1]
+    digests = set()
+    ms = repeat(env, lambda: digests.add(digest(t)) or [])[1]
+    gib = t.numel() * t.element_size() / 2**30
+    verdict = f"{gib / (ms / 1000):.1f} GiB/s vs memcpy {gib / (copied / 1000):.1f} GiB/s"
+    yield Row("device digest", name, verdict + ("" if len(digests) == 1 else f"; NOT REPEATABLE ({len(digests)})"),
+              f"{ms:.3f}", f"{ms / copied:.2f}x", failed=len(digests) != 1)
+
+
+def twins_rows(title: str, recipe: str, overrides: list, left_s):
+    """Two independent ``bitdet train`` runs with Transformer Engine's spec, compared bit for bit."""
+    import tempfile
+
+    from megatron_bitdet.testing import check_end_to_end
+
+    try:
+        import transformer_engine.pytorch  # noqa: F401
+    except Exception as exc:  # TE raises OSError/RuntimeError too where CUDA is missing
+        raise ImportError(f"transformer_engine ({type(exc).__name__}: {exc})"[:120]) from None
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        report = check_end_to_end(recipe, ["model.spec=te", "parallel.expert=1", *overrides], workdir=tmp,
+                                  nproc=1, steps=3, timeout=max(1.0, left_s()))
+    yield Row(title, f"{recipe} model.spec=te", f"bitwise ({report.steps} steps, {report.metrics} metrics + "
+              f"{report.digests} digests)", f"{(time.perf_counter() - t0) * 1000:.0f}")
+
+
+def _tiny_ep1():
     from megatron_bitdet.recipe import load_recipe
+
+    return load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml", ["parallel.expert=1"])
+
+
+def tax_rows(env: Env):
+    """The default recipe at EP1 on one rank: its tax (the dry run launches the same code for 2 rounds,
+    so a break shows on CPU too)."""
     from megatron_bitdet.workflows.tax import measure_tax
 
-    recipe = load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml", ["parallel.expert=1"])
-    tax_rounds, trace_rounds, warmup = (2, 2, 1) if env.dry else (12, 10, 3)
-    rows = []
-    tax = measure_tax(recipe, nproc=1, rounds=tax_rounds, warmup=warmup)
-    rows.append(("default recipe (EP1)", "tax", f"{tax.paired_tax_percent:+.1f}% paired ({tax.baseline.name})",
-                 f"{tax.deterministic.median_ms:.2f}", f"{tax.deterministic.median_ms / tax.baseline.median_ms:.2f}x"))
-    per_round = measure(recipe, nproc=1, rounds=trace_rounds, warmup=warmup).wall
-    base = statistics.median(per_round["untraced"])
+    rounds, warmup = (2, 1) if env.dry else (12, 3)
+    tax = measure_tax(_tiny_ep1(), nproc=1, rounds=rounds, warmup=warmup)
+    yield Row("default recipe (EP1)", "tax", f"{tax.paired_tax_percent:+.1f}% paired ({tax.baseline.name})",
+              f"{tax.deterministic.median_ms:.2f}", f"{tax.deterministic.median_ms / tax.baseline.median_ms:.2f}x")
+
+
+def tracing_rows(env: Env):
+    from benchmarks.bench_trace_training import measure, paired_ratio
+
+    rounds, warmup = (2, 1) if env.dry else (10, 3)
+    per_round = measure(_tiny_ep1(), nproc=1, rounds=rounds, warmup=warmup).wall
     for level in ("module", "op"):
-        rows.append(("default recipe (EP1)", f"{level} tracing", f"paired median of {trace_rounds} rounds",
-                     f"{statistics.median(per_round[level]):.2f}", f"{paired_ratio(per_round, level):.2f}x"))
-    rows.append(("default recipe (EP1)", "untraced step", "", f"{base:.2f}", "1.00x"))
-    return rows
+        yield Row("default recipe (EP1)", f"{level} tracing", f"paired median of {rounds} rounds",
+                  f"{statistics.median(per_round[level]):.2f}", f"{paired_ratio(per_round, level):.2f}x")
+    yield Row("default recipe (EP1)", "untraced step", "", f"{statistics.median(per_round['untraced']):.2f}", "1.00x")
+
+
+def checks(env: Env, table: Table) -> list:
+    """(check name, rows) in the order they run: the quick kernel rows first, the launches last."""
+    return [*((title, lambda t=title, c=case: kernel_rows(env, t, c)) for title, case in CASES.items()),
+            ("FusedAdam resume", lambda: fused_adam_rows(env)),
+            ("device digest", lambda: digest_rows(env)),
+            ("TE-spec model twins", lambda: twins_rows("TE-spec model twins", "nemotron_h_tiny", [], table.left_s)),
+            ("TE FP8 twins", lambda: twins_rows("TE FP8 twins", "nemotron_h_tiny_fp8",
+                                                ["model.moe.expert_impl=sequential"], table.left_s)),
+            ("default recipe (EP1) tax", lambda: tax_rows(env)),
+            ("default recipe (EP1) tracing", lambda: tracing_rows(env))]
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, 2 repeats, 2-round training launches")
     ap.add_argument("--repeats", type=int, default=20)
+    ap.add_argument("--plant-failure", metavar="CHECK", help="make CHECK's row raise (the table must stay whole)")
     args = ap.parse_args()
     if args.dry_run:  # as bitdet's ranks on CPU: megatron's jit_fuser functions eagerly (no Inductor C++ build)
         from megatron_bitdet.compat.cpu_backend import eager_jit_fuser
@@ -259,18 +426,20 @@ def main() -> int:
     if env.dev == "cpu" and not args.dry_run:
         print("no CUDA device: use --dry-run on CPU", file=sys.stderr)
         return 2
+    table = Table(args.plant_failure)
+    planned = checks(env, table)
+    if args.plant_failure is not None and args.plant_failure not in dict(planned):
+        print(f"--plant-failure {args.plant_failure!r}: no such check; checks: {', '.join(dict(planned))}",
+              file=sys.stderr)
+        return 2
     name = torch.cuda.get_device_name() if env.dev == "cuda" else "cpu (dry run)"
-    print(f"gpu_check on {name}, torch {torch.__version__}, {env.repeats} repeats per kernel")
-    rows, ok = kernel_rows(env)
+    print(f"gpu_check on {name}, torch {torch.__version__}, {env.repeats} repeats per kernel", flush=True)
     try:
-        rows += training_rows(env)
-    except ImportError as exc:
-        rows.append(("default recipe (EP1)", "tax / tracing", f"not importable: {exc}", "", ""))
-    head = ("check", "variant", "result", "ms", "vs baseline")
-    widths = [max(len(str(r[i])) for r in [head, *rows]) for i in range(5)]
-    for r in [head, tuple("-" * w for w in widths), *rows]:
-        print("  ".join(str(c).ljust(w) for c, w in zip(r, widths)))
-    return 0 if ok else 1
+        for check, rows_of in planned:
+            table.check(check, rows_of)
+    finally:
+        table.print()
+    return 1 if any(r.failed for r in table.rows) else 0
 
 
 if __name__ == "__main__":
