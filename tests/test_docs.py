@@ -269,7 +269,7 @@ def patch_problems(decls, text: str) -> list[str]:
     return _named_rows_problems(
         text, "Deterministic variants (swaps)", "patch declaration", "patches/*.yaml",
         {d.id: [f"`{d.rule}`"] for d in decls},
-        lambda i: f"| `{i}` | `{by_id[i].rule}` | {TODO} | {TODO} |", [1])
+        lambda i: f"| `{i}` | `{by_id[i].rule}` | <what it replaces> | <how> |", [1])
 
 
 def _rules_cell(rules) -> str:
@@ -318,15 +318,16 @@ def test_a_rule_added_in_code_or_a_row_left_behind_is_caught():
     from megatron_bitdet.enforce.rules import RULES, Rule
 
     text = RULES_MD.read_text()
-    new = Rule("triton_grouped_mlp", lambda r, f: None, "atomics in the epilogue", "set x: false", swap="grouped_gemm_dprob")
-    assert rule_problems([*RULES, new], text) == [
-        "docs/rules.md: rule triton_grouped_mlp (megatron_bitdet/enforce/rules.py) has no row under '## Rules'; "
-        "add: | `triton_grouped_mlp` | atomics in the epilogue | set x: false | `grouped_gemm_dprob` |"]
+    known = set(rule_problems(RULES, text))  # drift already there is another test's failure, not this one's
+    new = Rule("example_rule", lambda r, f: None, "atomics in the epilogue", "set x: false", swap="grouped_gemm_dprob")
+    assert [p for p in rule_problems([*RULES, new], text) if p not in known] == [
+        "docs/rules.md: rule example_rule (megatron_bitdet/enforce/rules.py) has no row under '## Rules'; "
+        "add: | `example_rule` | atomics in the epilogue | set x: false | `grouped_gemm_dprob` |"]
     dropped = [r for r in RULES if r.id != "flash_attention"]
-    (problem,) = rule_problems(dropped, text)
+    (problem,) = [p for p in rule_problems(dropped, text) if p not in known]
     assert re.fullmatch(r"docs/rules\.md:\d+: flash_attention is not a rule \(.*\); remove the row", problem)
     swapped = [dataclasses.replace(r, swap="ssd_scan") if r.id == "nccl_tree" else r for r in RULES]
-    (problem,) = rule_problems(swapped, text)
+    (problem,) = [p for p in rule_problems(swapped, text) if p not in known]
     assert "nccl_tree: column 4 should read '`ssd_scan`'" in problem
 
 
@@ -340,13 +341,14 @@ def test_a_recipe_key_added_in_code_is_caught_with_its_row():
     model = dataclasses.make_dataclass("ModelConfig", [("moe", moe, dataclasses.field(default_factory=moe))],
                                        bases=(ModelConfig,), frozen=True)
     root = dataclasses.make_dataclass("RecipeConfig", [("model", model)], bases=(RecipeConfig,), frozen=True)
-    assert recipe_problems(root, RECIPES_MD.read_text()) == [
+    known = set(recipe_problems(RecipeConfig, RECIPES_MD.read_text()))  # drift already there: another test's
+    assert [p for p in recipe_problems(root, RECIPES_MD.read_text()) if p not in known] == [
         "docs/recipes.md: recipe key model.moe.example_backend (recipe/schema.py) has no row under '## Every key'; "
         f"add: | `model.moe.example_backend` | one of `torch`, `triton` | `torch` | {TODO} |",
         "docs/recipes.md: recipe key model.moe.example_tile (recipe/schema.py) has no row under '## Every key'; "
         f"add: | `model.moe.example_tile` | int, ≥ 16 | `64` | {TODO} |"]
     text = RECIPES_MD.read_text().replace("| `model.moe.top_k` |", "| `model.moe.topk` |")
-    assert [p.split(": ", 1)[1] for p in recipe_problems(RecipeConfig, text)] == [
+    assert [p.split(": ", 1)[1] for p in recipe_problems(RecipeConfig, text) if p not in known] == [
         "recipe key model.moe.top_k (recipe/schema.py) has no row under '## Every key'; "
         f"add: | `model.moe.top_k` | int, ≥ 1 | `2` | {TODO} |",
         "model.moe.topk is not a recipe key (recipe/schema.py); remove the row"]
@@ -356,15 +358,17 @@ def test_a_subcommand_or_option_added_in_code_is_caught_with_its_section():
     from megatron_bitdet.cli import build_parser
 
     parser = build_parser()
+    known = set(command_problems(parser, COMMANDS_MD.read_text()))  # drift already there: another test's
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-    new = sub.add_parser("check", description="judge a launch line")
+    new = sub.add_parser("example-command", description="judge a launch line")
     new.add_argument("--strict", action="store_true", help="refuse warnings too")
     sub.choices["train"].add_argument("--budget", metavar="SECONDS", help="stop after SECONDS")
-    problems = command_problems(parser, COMMANDS_MD.read_text())
+    problems = [p for p in command_problems(parser, COMMANDS_MD.read_text()) if p not in known]
     assert problems[0].startswith("docs/commands.md: section `bitdet train` (line ")
     assert problems[0].endswith("has no row for --budget; add: | `--budget SECONDS` | stop after SECONDS |")
     assert problems[1:] == [
-        "docs/commands.md: `bitdet check` (megatron_bitdet/cli) has no section; add:\n## `bitdet check`\n\n"
+        "docs/commands.md: `bitdet example-command` (megatron_bitdet/cli) has no section; add:\n"
+        "## `bitdet example-command`\n\n"
         "judge a launch line\n\n| argument | meaning |\n|---|---|\n| `--strict` | refuse warnings too |\n\n"
         "Exit: 0 ... ; 1 ... ; 2 unusable input."]
 
@@ -372,9 +376,10 @@ def test_a_subcommand_or_option_added_in_code_is_caught_with_its_section():
 def test_a_doc_section_or_row_the_code_lacks_is_caught():
     from megatron_bitdet.cli import build_parser
 
+    known = set(command_problems(build_parser(), COMMANDS_MD.read_text()))  # drift already there: another test's
     text = COMMANDS_MD.read_text() + "\n## `bitdet frobnicate`\n\n| `--x` | y |\n\nExit: 0.\n"
     text = text.replace("| `--max-details", "| `--max-detail", 1)
-    problems = command_problems(build_parser(), text)
+    problems = [p for p in command_problems(build_parser(), text) if p not in known]
     assert len(problems) == 3, problems
     assert "section `bitdet compare`" in problems[0] and "has no row for --max-details" in problems[0]
     assert re.fullmatch(r"docs/commands\.md:\d+: `bitdet compare` has no argument --max-detail; remove or fix the row",
@@ -396,8 +401,9 @@ def test_a_declaration_without_its_row_is_caught(check, load, drop):
     declared = getattr(importlib.import_module(module), attr)
     declared = declared() if callable(declared) else declared
     declared = getattr(declared, "entries", declared)
+    known = set(check(declared, RULES_MD.read_text()))  # drift already there: another test's
     text = "\n".join(line for line in RULES_MD.read_text().splitlines() if not line.startswith(f"| `{drop}` |"))
-    (problem,) = check(declared, text)
+    (problem,) = [p for p in check(declared, text) if p not in known]
     assert problem.startswith("docs/rules.md: ") and f" {drop} (" in problem and f"add: | `{drop}` |" in problem
 
 
