@@ -1,13 +1,15 @@
-"""Step time of fp32 / bf16 mixed precision / emulated FP8 on the default recipe's shapes, one session.
+"""Step time of fp32 / bf16 mixed precision / emulated FP8 / emulated NVFP4 on the default recipe's
+shapes, one session.
 
     .venv/bin/python benchmarks/bench_precision.py [--rounds 20] [--warmup 3] [--nproc 2] [overrides...]
 
-One launch (the tax's side-by-side worker): every rank builds the three configurations and alternates
+One launch (the tax's side-by-side worker): every rank builds the four configurations and alternates
 their steps on the same batches (A B C, C B A, ...), all in deterministic mode, so machine drift and
 the launch cancel out. Prints median / p10 / p90 step time per precision and the ratios to fp32,
 paired per round. On CPU bf16 and emulated FP8 are *slower* than fp32 (no bf16 / fp8 GEMM units; FP8
-adds quantize-dequantize and one amax all-reduce per operand): the figures measure the determinism
-machinery's cost of low precision here, not GPU speed-ups.
+adds quantize-dequantize and one amax all-reduce per operand; NVFP4 quantizes five operands per linear,
+transforms two with the Hadamard matrix and draws a uniform per gradient element for stochastic
+rounding): the figures measure the determinism machinery's cost of low precision here, not GPU speed-ups.
 """
 from __future__ import annotations
 
@@ -25,6 +27,7 @@ PRECISIONS = {
     "fp32": [],
     "bf16": ["model.params_dtype=bfloat16"],
     "fp8 (emulated, delayed)": ["model.params_dtype=bfloat16", "model.fp8.recipe=delayed"],
+    "fp4 (emulated, nvfp4)": ["model.params_dtype=bfloat16", "model.fp4.recipe=nvfp4"],
 }
 
 

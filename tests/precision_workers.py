@@ -1,6 +1,6 @@
 """Test-only module workers (importable via PYTHONPATH=tests): a hybrid block (Mamba, attention, MoE)
-built in fp32, bf16 and emulated FP8 on one parallel layout, run forward + backward twice from a
-restored RNG state, every output and gradient saved for the test to compare byte for byte."""
+built in fp32, bf16, emulated FP8 and emulated NVFP4 on one parallel layout, run forward + backward
+twice from a restored RNG state, every output and gradient saved for the test to compare byte for byte."""
 from pathlib import Path
 
 import torch
@@ -57,10 +57,13 @@ def hybrid_block(rank, world_size, *, recipe, layouts, out):
 
 
 def _precision(r) -> dict:
-    """One precision variant on the current parallel layout: first / again (RNG and buffers restored) / fresh."""
+    """One precision variant on the current parallel layout: first / again (RNG, buffers and the model's
+    own generators restored) / fresh; with NVFP4's stochastic rounding also ``sr_only``: everything
+    restored but the layers' rounding generators."""
     from megatron_bitdet.compat import patching
     from megatron_bitdet.model.builder import default_model_provider, resolve_spec_family
     from megatron_bitdet.train.checkpoint import capture_rng, restore_rng
+    from megatron_bitdet.train.module_state import capture_module_rng, restore_module_rng
     from megatron_bitdet.train.setup import build_trainable
 
     ids = patching.select_patches(r, family=resolve_spec_family(r))
@@ -76,17 +79,30 @@ def _precision(r) -> dict:
         model = getattr(model, "module", model)  # under megatron's Float16Module in bf16
         model.decoder.register_forward_hook(
             lambda mod, args, output: captured.append(output.detach().clone()))
-        rng = capture_rng()
-        buffers = [b.clone() for m in state.ddp_modules for b in m.module.buffers()]  # FP8 scaling state
+        chunks = [m.module for m in state.ddp_modules]
+        rng, generators = capture_rng(), capture_module_rng(chunks)
+        buffers = [b.clone() for c in chunks for b in c.buffers()]  # FP8 scaling state, NVFP4 encodings
+
+        def restore(with_generators=True):
+            restore_rng(rng)
+            for b, saved in zip((b for c in chunks for b in c.buffers()), buffers):
+                b.copy_(saved)
+            if with_generators:
+                restore_module_rng(chunks, generators, source="<module test>")
+
         first = _run_once(state, batch, captured)
-        restore_rng(rng)
-        for b, saved in zip((b for m in state.ddp_modules for b in m.module.buffers()), buffers):
-            b.copy_(saved)
+        restore()
         again = _run_once(state, batch, captured)
         fresh = _run_once(state, batch, captured)
-    return {"first": first, "again": again, "fresh": fresh,
+        sr_only = None
+        if generators:
+            restore(with_generators=False)
+            sr_only = _run_once(state, batch, captured)
+    modules = list(state.ddp_modules[0].module.modules())
+    return {"first": first, "again": again, "fresh": fresh, "sr_only": sr_only, "generators": sorted(generators),
             "dtypes": sorted({str(p.dtype) for p in state.ddp_modules[0].module.parameters()}),
-            "fp8_linears": sum(hasattr(mod, "fp8_amax_history") for mod in state.ddp_modules[0].module.modules())}
+            "fp8_linears": sum(hasattr(mod, "fp8_amax_history") for mod in modules),
+            "fp4_linears": sum(hasattr(mod, "fp4_weight_values") for mod in modules)}
 
 
 hybrid_block.before_process_group = enforce

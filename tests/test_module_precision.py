@@ -1,7 +1,10 @@
 """Module tests in the brief's style: a hybrid block (Mamba-2, attention, MoE) repeated with restored
-RNG under TP2 (+SP), EP2 and PP2, in fp32, bf16 and emulated FP8 (delayed scaling, bf16 params);
-outputs and every gradient compared byte for byte. Dropout is on, so the repeat only matches when
-the RNG really is restored: a third run that does not restore it must differ (the check can fail).
+RNG under TP2 (+SP), EP2 and PP2, in fp32, bf16, emulated FP8 (delayed scaling, bf16 params) and
+emulated NVFP4 (NVIDIA's recipe: stochastic rounding, Hadamard transform, 2D weight blocks; bf16
+params); outputs and every gradient compared byte for byte. Dropout is on, so the repeat only matches
+when the RNG really is restored: a third run that does not restore it must differ (the check can fail).
+NVFP4 also runs once with everything restored except its rounding generators: its forward is the
+same and its gradients differ, so the difference is stochastic rounding's.
 One 2-rank launch builds every layout (one after another, megatron's parallel state rebuilt between)
 and all three precisions on each."""
 import os
@@ -27,8 +30,10 @@ PRECISIONS = {
     "fp32": [],
     "bf16": ["model.params_dtype=bfloat16"],
     "fp8": ["model.params_dtype=bfloat16", "model.fp8.recipe=delayed"],
+    "fp4": ["model.params_dtype=bfloat16", "model.fp4.recipe=nvfp4"],
 }
-PARAM_DTYPE = {"fp32": ["torch.float32"], "bf16": ["torch.bfloat16"], "fp8": ["torch.bfloat16"]}
+PARAM_DTYPE = {"fp32": ["torch.float32"], "bf16": ["torch.bfloat16"], "fp8": ["torch.bfloat16"],
+               "fp4": ["torch.bfloat16"]}
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -58,6 +63,7 @@ def test_block_repeats_bitwise(block_results, layout, precision):
         res = results[layout][precision]
         assert res["dtypes"] == PARAM_DTYPE[precision]
         assert (res["fp8_linears"] > 0) == (precision == "fp8")
+        assert (res["fp4_linears"] > 0) == (precision == "fp4")
         (out1, grads1), (out2, grads2), (out3, _) = res["first"], res["again"], res["fresh"]
         assert out1 and len(out1) == len(out2), f"{layout} rank {rank}: no outputs captured"
         for a, b in zip(out1, out2):
@@ -68,3 +74,16 @@ def test_block_repeats_bitwise(block_results, layout, precision):
         assert any(g.abs().sum() > 0 for g in grads1.values())
         # Without restoring the RNG, dropout masks are new: the comparison sees it.
         assert any(_bits(a) != _bits(c) for a, c in zip(out1, out3)), (layout, rank, precision)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_fp4_difference_without_restore_is_stochastic_rounding(block_results, layout):
+    """Everything restored but the NVFP4 layers' rounding generators: the forward (which rounds to
+    nearest) is byte-identical, the gradients are not."""
+    for rank, results in enumerate(block_results):
+        res = results[layout]["fp4"]
+        assert res["generators"] and all(g.endswith(":fp4_sr_generator") for g in res["generators"])
+        (out1, grads1), (out4, grads4) = res["first"], res["sr_only"]
+        assert [_bits(a) for a in out1] == [_bits(b) for b in out4], (layout, rank)
+        assert any(_bits(grads1[k]) != _bits(grads4[k]) for k in grads1), (layout, rank)
+        assert all(results[layout][p]["sr_only"] is None for p in ("fp32", "bf16", "fp8"))

@@ -1,8 +1,10 @@
-"""Low precision on real 2-rank gloo training: bf16 mixed precision (plain and distributed optimizer)
-and emulated FP8 (delayed scaling, bf16 params) are bitwise equal independently and across a
-2-restore resume chain, with the fp32 source, the bf16 compute copy and the FP8 scaling state checked
-after every restore; a restore that rounds the compute copy another way, or drops the amax history,
-is caught by name. Per configuration one `bitdet verify-resume` invocation as the README writes it
+"""Low precision on real 2-rank gloo training: bf16 mixed precision (plain and distributed optimizer),
+emulated FP8 (delayed scaling, bf16 params) and emulated NVFP4 (NVIDIA's recipe, bf16 params) are
+bitwise equal independently and across a 2-restore resume chain, with the fp32 source, the bf16
+compute copy, the FP8 scaling state and the NVFP4 state (rounding generators, Hadamard signs, weight
+encodings) checked after every restore; a restore that rounds the compute copy another way, drops
+the amax history, leaves the NVFP4 rounding generators or encodings fresh or re-draws the Hadamard
+signs is caught by name. Per configuration one `bitdet verify-resume` invocation as the README writes it
 (reference + 2-restore chain) and one independent twin, shared by this module; the negative controls
 continue from the FP8 chain's fresh segment (0 -> 2)."""
 import io
@@ -26,10 +28,13 @@ CONFIGS = {
     "bf16": ("nemotron_h_tiny_bf16.yaml", ["parallel.distributed_optimizer=false"]),
     "bf16_distopt": ("nemotron_h_tiny_bf16.yaml", []),
     "fp8": ("nemotron_h_tiny_fp8.yaml", []),
+    "fp4": ("nemotron_h_tiny_fp4.yaml", []),
 }
+FP4_STATE = {"fp4_sr_rng", "fp4_hadamard_signs", "fp4_block_scales", "fp4_values"}
 DIGESTS = {"bf16": {"params", "grads", "main_params", "buffers"},
            "bf16_distopt": {"params", "grads", "main_params", "buffers"},
-           "fp8": {"params", "grads", "main_params", "buffers", "fp8_values", "fp8_scales"}}
+           "fp8": {"params", "grads", "main_params", "buffers", "fp8_values", "fp8_scales"},
+           "fp4": {"params", "grads", "main_params", "buffers", "generators", "fp4_values", "fp4_scales"}}
 STATE = {"bf16_compute_copy", "fp32_main_params", "buffers", "optimizer", "scheduler", "rng.python", "rng.numpy",
          "rng.torch_cpu", "rng.tracker", "data"}
 
@@ -81,11 +86,12 @@ def test_two_restore_chain_checks_source_and_compute_copy(runs, name):
     recipe, reference, _, report = runs(name)
     assert report["holds"] is True
     assert [p["steps_compared"] for p in report["points"]] == [[1, 2], [3], [4]]
-    expected = STATE | ({"fp8_scaling"} if name == "fp8" else set())
+    expected = STATE | ({"fp8_scaling"} if name == "fp8" else FP4_STATE if name == "fp4" else set())
     for step in RESUME_AT:
         for rank in (0, 1):
-            assert {c["component"] for c in report["checks"]
-                    if c["resume_step"] == step and c["rank"] == rank} == expected
+            components = {c["component"] for c in report["checks"] if c["resume_step"] == step and c["rank"] == rank}
+            # NVFP4's rounding generators are also module generators (rng.module:<where>)
+            assert {c for c in components if not c.startswith("rng.module:")} == expected
     assert all(c["equal"] for c in report["checks"])
     from megatron_bitdet.rundir import snapshot_path
     from megatron_bitdet.train.snapshot import read_snapshot, tensor_digest
@@ -118,3 +124,25 @@ def test_compute_copy_rounded_another_way_and_dropped_fp8_state_are_named(runs, 
     assert any(c.key.endswith("fp8_amax_history") for c in report.failures)
     assert resumed.first_output_divergence == 3
     assert "bf16_compute_copy differs" in report.summary() and "fp8_scaling differs" in report.summary()
+
+
+@pytest.mark.parametrize("fault,component", [("fp4.sr_rng", "fp4_sr_rng"), ("fp4.block_scales", "fp4_block_scales"),
+                                             ("fp4.hadamard_signs", "fp4_hadamard_signs")])
+def test_fp4_state_left_wrong_by_a_restore_is_named(runs, tmp_path, fault, component):
+    """Negative controls of the NVFP4 run (one resumed segment each, continuing the chain's fresh
+    0 -> 2 segment): the rounding generators left as built, the weights' encodings (packed values,
+    block and per-tensor scales) left fresh, the Hadamard signs re-drawn. Each is named as its own
+    component on both ranks; parameters, optimizer and the other NVFP4 parts are intact. The generator
+    and the signs change the next step's gradients; the encoding is rewritten by the next forward, so
+    only the restore check sees it."""
+    recipe, reference, _, chain = runs("fp4")
+    report = faulted_chain(recipe, [2], [fault], fresh_segment=chain["points"][0]["run_dir"],
+                           reference_dir=reference, out_dir=tmp_path)
+    assert not report.holds
+    fresh, resumed = report.points
+    assert fresh.holds and component in resumed.failing_components
+    assert {c.rank for c in report.failures if c.component == component} == {0, 1}
+    others = FP4_STATE - {component} - ({"fp4_values"} if fault == "fp4.block_scales" else set())
+    assert all(c.equal for c in report.checks if c.component in {"bf16_compute_copy", "optimizer", *others})
+    assert f"{component} differs" in report.summary()
+    assert resumed.first_output_divergence == (None if fault == "fp4.block_scales" else 3)

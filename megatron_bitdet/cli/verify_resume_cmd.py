@@ -44,7 +44,9 @@ def register(subparsers, summary: str) -> None:
                    help="TEST ONLY, for demonstrating detection: every restore skips COMPONENT "
                         "(rng.python, rng.numpy, rng.torch_cpu, rng.tracker, rng.module, data, optimizer.exp_avg, scheduler; "
                         "compute_copy.rounding rebuilds the bf16 copy rounding toward zero; fp8.amax_history "
-                        "leaves the FP8 scaling state fresh)")
+                        "leaves the FP8 scaling state fresh; fp4.sr_rng leaves the NVFP4 stochastic-rounding "
+                        "generators as built, fp4.block_scales the weights' NVFP4 encodings fresh, "
+                        "fp4.hadamard_signs re-draws the Hadamard signs)")
     p.set_defaults(func=run)
 
 

@@ -25,22 +25,27 @@ def _dtype(fp8, role: int) -> torch.dtype:
     return q.FORMATS["e5m2" if fp8.format == "hybrid" and q.ROLES[role] == "grad_output" else "e4m3"]
 
 
-class _FP8Emulation:
+class KeepsStateDtype:
+    """Device moves reach the buffers named ``STATE_PREFIX*``; dtype casts (``Float16Module``'s
+    ``bfloat16()``) do not: TE keeps scaling state in fp32 (and encoded bytes as they are)."""
+
+    STATE_PREFIX = "fp8_"
+
+    def _apply(self, fn, recurse=True):
+        kept = {n: b for n, b in self._buffers.items() if n.startswith(self.STATE_PREFIX) and b is not None}
+        result = super()._apply(fn, recurse)
+        for n, b in kept.items():
+            self._buffers[n] = b.to(device=self._buffers[n].device)
+        return result
+
+
+class _FP8Emulation(KeepsStateDtype):
     def _setup_fp8(self) -> None:
         self.fp8 = self.config.emulated_fp8
         if self.fp8.recipe == "delayed":
             self.register_buffer("fp8_amax_history", torch.zeros(self.fp8.amax_history_len, len(q.ROLES)))
             self.register_buffer("fp8_scale", torch.ones(len(q.ROLES)))
         self.fp8_encoded_weight = None  # the last forward's encoded weight (fingerprinted per step)
-
-    def _apply(self, fn, recurse=True):
-        """Device moves reach the scaling state; dtype casts (``Float16Module``'s ``bfloat16()``) do
-        not: TE keeps amax history and scales in fp32."""
-        kept = {n: b for n, b in self._buffers.items() if n.startswith("fp8_") and b is not None}
-        result = super()._apply(fn, recurse)
-        for n, b in kept.items():
-            self._buffers[n] = b.to(device=self._buffers[n].device)
-        return result
 
     def _reduce_amax(self, a: torch.Tensor) -> torch.Tensor:
         if self.is_expert:

@@ -30,21 +30,41 @@ def resolve_spec_family(recipe) -> str:
     return family
 
 
-def fp8_implementation(recipe) -> str | None:
-    """None (no FP8), "te" (Transformer Engine's recipe, TE spec) or "emulated" (the local spec's
-    emulated FP8 linears: patch ``fp8_emulated_linear``, selected by its ``needed_when``)."""
-    fp8, family = recipe.model.fp8, resolve_spec_family(recipe)
-    if fp8.recipe == "none":
+def _low_precision_implementation(recipe, section: str) -> str | None:
+    """None (``model.<section>.recipe: none``), "te" (Transformer Engine's recipe, TE spec) or
+    "emulated" (the local spec's emulated linears: patch ``<section>_emulated_linear``)."""
+    cfg, family = getattr(recipe.model, section), resolve_spec_family(recipe)
+    if cfg.recipe == "none":
         return None
+    impl = cfg.implementation if cfg.implementation != "auto" else ("te" if family == "te" else "emulated")
+    if (impl == "te") != (family == "te"):
+        raise BitdetError(f"model.{section}.implementation={impl} needs model.spec={'te' if impl == 'te' else 'local'} "
+                          f"(the resolved spec is {family})")
+    return impl
+
+
+def fp8_implementation(recipe) -> str | None:
+    """FP8's implementation (``_low_precision_implementation``); TE's FP8 with grouped experts refused."""
     from megatron_bitdet.recipe.schema import te_fp8_grouped_issue
 
-    impl = fp8.implementation if fp8.implementation != "auto" else ("te" if family == "te" else "emulated")
-    issue = te_fp8_grouped_issue(recipe.model, family)
-    if issue:
-        raise BitdetInputError(f"{recipe.where('model', 'moe', 'expert_impl')}: model.moe.expert_impl: {issue}")
-    if (impl == "te") != (family == "te"):
-        raise BitdetError(f"model.fp8.implementation={impl} needs model.spec={'te' if impl == 'te' else 'local'} "
-                          f"(the resolved spec is {family})")
+    if recipe.model.fp8.recipe != "none":
+        issue = te_fp8_grouped_issue(recipe.model, resolve_spec_family(recipe))
+        if issue:
+            raise BitdetInputError(f"{recipe.where('model', 'moe', 'expert_impl')}: model.moe.expert_impl: {issue}")
+    return _low_precision_implementation(recipe, "fp8")
+
+
+def fp4_implementation(recipe) -> str | None:
+    """NVFP4's implementation (``_low_precision_implementation``). Under TE, megatron-core 0.16.1 builds
+    ``NVFP4BlockScaling()`` with TE's defaults (every part of the recipe on): a recipe that switches a
+    part off is refused there rather than silently run with it on."""
+    impl = _low_precision_implementation(recipe, "fp4")
+    f = recipe.model.fp4
+    if impl == "te" and not (f.weight_2d_scaling and f.hadamard and f.stochastic_rounding):
+        raise BitdetInputError(f"{recipe.where('model', 'fp4')}: model.fp4: megatron-core 0.16.1 builds TE's "
+                               "NVFP4BlockScaling() with every part on; weight_2d_scaling, hadamard and "
+                               "stochastic_rounding must be true under Transformer Engine (or use "
+                               "model.fp4.implementation: emulated with model.spec: local)")
     return impl
 
 
@@ -107,10 +127,15 @@ def transformer_config(recipe, *, swapped=(), use_cpu_initialization: bool | Non
         f = m.fp8
         kwargs.update(fp8=f.format, fp8_recipe=f.recipe, fp8_margin=f.margin,
                       fp8_amax_history_len=f.amax_history_len, fp8_amax_compute_algo=f.amax_compute_algo)
+    fp4 = fp4_implementation(recipe)
+    if fp4 == "te":
+        kwargs.update(fp4=m.fp4.format, fp4_recipe=m.fp4.recipe)
     kwargs.update(megatron_overrides(recipe, swapped))
     config = TransformerConfig(**kwargs)
     if fp8 == "emulated":  # megatron's own fp8 fields would route to TE; the emulated linears read this
         config.emulated_fp8 = m.fp8
+    if fp4 == "emulated":  # likewise megatron's fp4 fields
+        config.emulated_fp4 = m.fp4
     return config
 
 

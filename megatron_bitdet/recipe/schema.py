@@ -86,6 +86,21 @@ class FP8Config:
 
 
 @dataclass(frozen=True)
+class FP4Config:
+    """NVFP4 training after NVIDIA's recipe (arXiv 2509.25149). On GPU with Transformer Engine >= 2.7:
+    TE's NVFP4BlockScaling (megatron's fp4 / fp4_recipe); elsewhere an emulated NVFP4 linear in the
+    local spec (``kernels/fp4_linear.py``). Each part of the recipe can be switched off."""
+
+    recipe: Literal["none", "nvfp4"] = "none"
+    format: Literal["e2m1"] = "e2m1"
+    weight_2d_scaling: bool = True     # 16x16 weight blocks (off: 1x16, re-quantized for dgrad)
+    hadamard: bool = True              # random Hadamard transform on the wgrad GEMM's inputs
+    hadamard_seed: int = bounded(0, ge=0)  # draws the transform's sign vector
+    stochastic_rounding: bool = True   # gradients rounded stochastically, from the layer's own generator
+    implementation: Literal["auto", "te", "emulated"] = "auto"  # auto: te with the TE spec, else emulated
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     hybrid_pattern: str = checked(_pattern_issue)
     hidden_size: int = bounded(ge=1)
@@ -110,6 +125,7 @@ class ModelConfig:
     mamba: MambaConfig = field(default_factory=MambaConfig)
     moe: MoEConfig = field(default_factory=MoEConfig)
     fp8: FP8Config = field(default_factory=FP8Config)
+    fp4: FP4Config = field(default_factory=FP4Config)
 
     @property
     def num_layers(self) -> int:
@@ -129,6 +145,9 @@ class ModelConfig:
                 yield "moe.top_k", f"{self.moe.top_k} exceeds moe.num_experts ({self.moe.num_experts})"
             if self.moe.ffn_hidden_size is None:
                 yield "moe.ffn_hidden_size", "required when the pattern has MoE layers (E)"
+        if self.fp4.recipe != "none" and self.fp8.recipe != "none":
+            yield "fp4.recipe", (f"{self.fp4.recipe} and model.fp8.recipe: {self.fp8.recipe} are both on; "
+                                 "a linear computes in one of them (megatron refuses fp4 with fp8 too)")
         issue = te_fp8_grouped_issue(self, self.spec)
         if issue:
             yield "moe.expert_impl", issue

@@ -7,11 +7,15 @@ source and rebuilds the copy through the very function training uses after each 
 
 FP8: the delayed-scaling state (amax history, scales) is run state like the Adam moments; the
 encoded values and scales of the last forward are fingerprinted per step.
+
+NVFP4 (emulated): the stochastic-rounding generators, the Hadamard signs and the weights' encodings
+(packed values, block and per-tensor scales) are run state, each a snapshot component of its own.
 """
 from __future__ import annotations
 
 import torch
 
+from megatron_bitdet.kernels.fp4_linear import emulated_fp4_modules
 from megatron_bitdet.kernels.fp8_linear import emulated_fp8_modules
 from megatron_bitdet.train.module_state import named_members, walk
 
@@ -118,3 +122,35 @@ def fault_drop_fp8_scaling(ddp_modules) -> None:
     """Test-only restore fault: the scaling state left as a fresh model has it (amax history dropped)."""
     for _, m in emulated_fp8_modules(_walk(ddp_modules)):
         m.reset_fp8_scaling()
+
+
+def fp4_state(ddp_modules, walked=None) -> dict[str, dict[str, torch.Tensor]]:
+    """The emulated NVFP4 linears' run state by snapshot component: ``fp4_sr_rng`` (generator states),
+    ``fp4_hadamard_signs``, ``fp4_block_scales`` (block and per-tensor scales of the weights' encodings)
+    and ``fp4_values`` (their packed E2M1 bytes, as ``float4_e2m1fn_x2``); empty components left out."""
+    fp4 = emulated_fp4_modules(_walk(ddp_modules) if walked is None else walked)
+    values, scales = fp4_encodings(fp4)
+    out = {"fp4_sr_rng": {n: m.fp4_sr_generator.get_state() for n, m in fp4 if hasattr(m, "fp4_sr_generator")},
+           "fp4_hadamard_signs": {n: m.fp4_hadamard_signs for n, m in fp4 if hasattr(m, "fp4_hadamard_signs")},
+           "fp4_block_scales": dict(scales), "fp4_values": dict(values)}
+    return {k: v for k, v in out.items() if v}
+
+
+def fp4_encodings(fp4_modules) -> tuple[list, list]:
+    """(name, tensor) of the weights' NVFP4 encodings (``emulated_fp4_modules``): the packed values as
+    ``float4_e2m1fn_x2``, and both scale levels (E4M3 block scales, the fp32 per-tensor scale)."""
+    values = [(n, m.fp4_weight_values.view(torch.float4_e2m1fn_x2)) for n, m in fp4_modules]
+    scales = [item for n, m in fp4_modules for item in ((f"{n}.block", m.fp4_weight_block_scales.view(torch.float8_e4m3fn)),
+                                                         (f"{n}.global", m.fp4_weight_global_scale))]
+    return values, scales
+
+
+# Test-only restore faults of the NVFP4 state, by fault name (``snapshot.FAULTS``).
+FP4_FAULTS = {"fp4.sr_rng": "reset_sr_generator", "fp4.block_scales": "reset_weight_encoding",
+              "fp4.hadamard_signs": "redraw_hadamard_signs"}
+
+
+def fault_fp4(ddp_modules, fault: str) -> None:
+    """A restore that leaves one part of the NVFP4 state wrong (``FP4_FAULTS``) in every emulated linear."""
+    for _, m in emulated_fp4_modules(_walk(ddp_modules)):
+        getattr(m, FP4_FAULTS[fault])()

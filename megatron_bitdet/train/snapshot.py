@@ -11,7 +11,8 @@ state is tens of GB at production scale and a resume point's full copy terabytes
      "leaves": [[component, key, value], ...]}
 
 one entry per leaf of the state (``leaves``: components ``parameters`` or ``bf16_compute_copy`` +
-``fp32_main_params``, ``buffers``, ``fp8_scaling``, ``optimizer``, ``scheduler``, ``rng.<generator>``,
+``fp32_main_params``, ``buffers``, ``fp8_scaling``, NVFP4's ``fp4_sr_rng`` / ``fp4_hadamard_signs`` /
+``fp4_block_scales`` / ``fp4_values``, ``optimizer``, ``scheduler``, ``rng.<generator>``,
 ``data``; keys dotted, list items ``[i]``). A value is an int, bool, string or null as it is;
 ``{"float": "<16 hex digits>"}`` (the IEEE-754 bits, so -0.0 and NaN payloads survive); or
 ``{"tensor": {"dtype", "shape", "chunks"}}``: the position-sensitive digest (``fingerprint.tensor.
@@ -50,9 +51,9 @@ _HEX16 = re.compile(r"[0-9a-f]{16}")
 
 # Restore components a fault-injection test may skip (``--fault-skip-restore``); never set in real runs.
 # compute_copy.rounding: the bf16 compute copy converted from the fp32 source rounding toward zero;
-# fp8.amax_history: the FP8 delayed-scaling state left fresh.
+# fp8.amax_history: the FP8 delayed-scaling state left fresh; fp4.*: ``precision.FP4_FAULTS``.
 FAULTS = ("rng.python", "rng.numpy", "rng.torch_cpu", "rng.tracker", "rng.module", "data", "optimizer.exp_avg",
-          "scheduler", "compute_copy.rounding", "fp8.amax_history")
+          "scheduler", "compute_copy.rounding", "fp8.amax_history", *precision.FP4_FAULTS)
 
 
 @dataclass(frozen=True, repr=False)
@@ -121,7 +122,8 @@ def _optimizer_state(optimizer) -> dict:
 
 def live_state(*, ddp_modules, optimizer, scheduler, data) -> dict:
     """Components: ``parameters`` (in a mixed-precision run ``bf16_compute_copy``, next to its source
-    ``fp32_main_params``), ``buffers``, ``fp8_scaling`` when FP8 keeps state, optimizer, scheduler,
+    ``fp32_main_params``), ``buffers``, ``fp8_scaling`` when FP8 keeps state, NVFP4's components
+    (``precision.fp4_state``), optimizer, scheduler,
     rng, data. The live tensors themselves (not copies): read them before the next step."""
     params = {f"{i}.{name}": p.detach() for i, m in enumerate(ddp_modules) for name, p in m.module.named_parameters()}
     compute_copy = precision.compute_copy_name(ddp_modules)
@@ -134,6 +136,7 @@ def live_state(*, ddp_modules, optimizer, scheduler, data) -> dict:
     fp8 = precision.fp8_scaling_state(ddp_modules)
     if fp8:
         state["fp8_scaling"] = dict(fp8)
+    state.update(precision.fp4_state(ddp_modules))
     state.update({"optimizer": _optimizer_state(optimizer), "scheduler": dict(scheduler.state_dict()), "rng": rng,
                   "data": data.state_dict()})
     return state
@@ -226,6 +229,9 @@ def inject_restore_faults(faults, *, ddp_modules, optimizer, scheduler_state_bef
         precision.fault_round_compute_copy(optimizer)
     if "fp8.amax_history" in faults:
         precision.fault_drop_fp8_scaling(ddp_modules)
+    for fault in precision.FP4_FAULTS:
+        if fault in faults:
+            precision.fault_fp4(ddp_modules, fault)
     if "optimizer.exp_avg" in faults:
         for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
             for param_state in opt.optimizer.state.values():

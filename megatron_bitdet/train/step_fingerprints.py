@@ -154,7 +154,7 @@ class StepDigests:
 
     def state(self, step: int) -> None:
         """Launch the digests of the state the step left: params, main params, the model's buffers,
-        its generators' states, FP8 encoded weights and scaling state."""
+        its generators' states, FP8 encoded weights and scaling state, NVFP4 encodings."""
         self._launch([j for r in self.regions() if r.kind != "grads" for j in r.jobs(step)])
         jobs = []
         for kind, named in self._small_state().items():
@@ -163,9 +163,10 @@ class StepDigests:
         self._launch(jobs)
 
     def _small_state(self) -> dict[str, list]:
+        from megatron_bitdet.kernels.fp4_linear import emulated_fp4_modules
         from megatron_bitdet.kernels.fp8_linear import emulated_fp8_modules
         from megatron_bitdet.train.module_state import generator_sources, module_buffer_sources, walk
-        from megatron_bitdet.train.precision import fp8_scaling_state
+        from megatron_bitdet.train.precision import fp4_encodings, fp8_scaling_state
 
         chunks = [m.module for m in self.model]
         if self._modules is None:
@@ -176,9 +177,10 @@ class StepDigests:
             self._modules = [m for _, _, m in walked]
             fp8 = emulated_fp8_modules(walked)
             held = [t for t in walked if fp8_scaling_state(None, [t])]
-            self._sources = (module_buffer_sources(walked), generator_sources(walked), fp8, held)
+            self._sources = (module_buffer_sources(walked), generator_sources(walked), fp8, held,
+                             emulated_fp4_modules(walked))
             self._signature = signature
-        buffers, generators, fp8, held = self._sources
+        buffers, generators, fp8, held, fp4 = self._sources
         out = {"buffers": [(n, m._buffers[k]) for n, m, k in buffers if m._buffers.get(k) is not None]}
         if generators:
             out["generators"] = [(n, g.get_state()) for n, g in generators]
@@ -186,6 +188,8 @@ class StepDigests:
         if encoded:
             out["fp8_values"] = [(n, e.data) for n, e in encoded]
             out["fp8_scales"] = [*((n, e.scales) for n, e in encoded), *fp8_scaling_state(None, held).items()]
+        if fp4:
+            out["fp4_values"], out["fp4_scales"] = fp4_encodings(fp4)
         return out
 
     def resolve(self) -> tuple[dict[str, str], list[dict]]:
@@ -207,7 +211,8 @@ class StepDigests:
             if owner is None:
                 own.setdefault(region.kind, []).extend(f"{region.buf}:{lo}-{hi}:{h}" for lo, hi, h in parts)
         digests = {}
-        for kind in ("params", "grads", "buffers", "generators", "main_params", "fp8_values", "fp8_scales"):
+        for kind in ("params", "grads", "buffers", "generators", "main_params", "fp8_values", "fp8_scales",
+                     "fp4_values", "fp4_scales"):
             if kind in own:
                 digests[kind] = f"{algo[kind]}:{combine(own[kind])}"
             elif kind in small:

@@ -12,7 +12,8 @@ marked optional; unknown keys are errors)::
       - {spec: local, layers: M}          #   when any entry holds (an entry: all of its keys); keys:
                                           #   spec (local|te), layers (pattern symbols, any),
                                           #   deterministic (determinism.mode), expert_impl,
-                                          #   fp8 (model.fp8.recipe is not none)
+                                          #   fp8 (model.fp8.recipe is not none),
+                                          #   fp4 (model.fp4.recipe is not none)
     order: 20                             # optional: position among the selected patches (lowest first)
     swaps:
       - replacement: megatron_bitdet.kernels.moe_aux:switch_load_balancing_loss_func
@@ -38,7 +39,7 @@ _SYMBOL = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
 _TOP_KEYS = {"id", "rule", "megatron_core", "why", "swaps", "needed_when", "order"}
 _OPTIONAL_KEYS = {"megatron_core", "needed_when", "order"}
 _SWAP_KEYS = {"replacement", "targets", "optional_binding", "untouched"}
-_NEED_KEYS = {"spec": str, "layers": str, "deterministic": bool, "expert_impl": str, "fp8": bool}
+_NEED_KEYS = {"spec": str, "layers": str, "deterministic": bool, "expert_impl": str, "fp8": bool, "fp4": bool}
 
 
 def split_symbol(symbol: str) -> Tuple[str, str]:
@@ -66,13 +67,15 @@ class Need:
     deterministic: Optional[bool] = None
     expert_impl: Optional[str] = None
     fp8: Optional[bool] = None  # model.fp8.recipe is not none
+    fp4: Optional[bool] = None  # model.fp4.recipe is not none
 
     def holds(self, recipe, family: str) -> bool:
         return ((self.spec is None or self.spec == family)
                 and (self.layers is None or any(recipe.model.has(s) for s in self.layers))
                 and (self.deterministic is None or self.deterministic == bool(recipe.determinism.mode))
                 and (self.expert_impl is None or self.expert_impl == recipe.model.moe.expert_impl)
-                and (self.fp8 is None or self.fp8 == (recipe.model.fp8.recipe != "none")))
+                and (self.fp8 is None or self.fp8 == (recipe.model.fp8.recipe != "none"))
+                and (self.fp4 is None or self.fp4 == (recipe.model.fp4.recipe != "none")))
 
 
 @dataclass(frozen=True)
