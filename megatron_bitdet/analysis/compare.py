@@ -203,6 +203,8 @@ def _compare_steps(a: RunData, b: RunData, names: list[str], result: CompareResu
         for step in sorted(recs_a.keys() & recs_b.keys()):
             summary = steps.setdefault(step, StepSummary(step, {}, []))
             va, vb = recs_a[step].values(), recs_b[step].values()
+            _same_digest_algorithms(names, va, vb, f"{a.files.get(rank)}:{recs_a[step].line}",
+                                    f"{b.files.get(rank)}:{recs_b[step].line}")
             for name in names:
                 diff = _diff(rank, name, va.get(name), vb.get(name))
                 _accumulate(summary, name, diff)
@@ -229,6 +231,19 @@ def _compare_steps(a: RunData, b: RunData, names: list[str], result: CompareResu
             step=step, metrics=list(dict.fromkeys(d.name for d in details)),
             ranks=sorted({d.rank for d in details}), details=details,
         )
+
+
+def _same_digest_algorithms(names, va: dict, vb: dict, where_a: str, where_b: str) -> None:
+    """Digests made by two algorithms (fingerprint formats v1 and v2, a GPU's pos64r and a CPU's
+    xxh3_64) differ whatever the state: refused, not reported as a divergence."""
+    for name in names:
+        if name.startswith(DIGEST_PREFIX) and name in va and name in vb:
+            algo_a, algo_b = va[name].partition(":")[0], vb[name].partition(":")[0]
+            if algo_a != algo_b:
+                raise BitdetInputError(
+                    f"{where_a} and {where_b}: {name} is {algo_a} in A but {algo_b} in B: digests of two "
+                    "algorithms (fingerprint formats, or device and host paths) cannot be compared; compare "
+                    "the metrics alone with --metrics")
 
 
 def _records_with(records, names: list[str]) -> dict:

@@ -18,6 +18,7 @@ SUBCOMMANDS = {
     "enforce": "apply --deterministic-mode for a recipe and print the environment and manifest",
     "train": "pretrain the hybrid Nemotron on megatron-core with per-step fingerprints",
     "compare": "compare two runs' fingerprints step by step (exit 0 match, 1 diverged, 2 bad input)",
+    "check": "compare one run's data-parallel replicas with each other (exit 0 consistent, 1 disagree, 2 bad input)",
     "verify_resume": "check bitwise checkpoint resume against an uninterrupted run",
     "tax": "measure the determinism tax against the fastest nondeterministic recipe",
     "prove": "the main job: independent runs, resumed runs, comparisons, tax and report",

@@ -1,0 +1,127 @@
+"""Test-only rank entries around ``bitdet train``'s worker for the per-step digests (importable via
+PYTHONPATH=tests): recorded host syncs, a planted bit flip in one replica, every buffer kind flipped."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from megatron_bitdet.train.loop import StepHook
+from megatron_bitdet.train.worker import enforce, worker
+
+
+class _StateStorages(StepHook):
+    def begin(self, step, state, batches):
+        import host_sync_recorder
+
+        host_sync_recorder.state_storages(state.ddp_modules)
+        return batches
+
+
+def recorded(rank: int, world_size: int, *, recipe: dict, options: dict) -> int:
+    """``bitdet train``'s worker with every host transfer and scalar read recorded (host_sync_recorder)."""
+    import host_sync_recorder
+
+    host_sync_recorder.install(rank)
+    return worker(rank, world_size, recipe=recipe, options=options, hooks=[_StateStorages()])
+
+
+def _flip_bit(t: torch.Tensor, byte: int, bit: int) -> None:
+    """Fault simulation: one bit of ``t``'s bytes flipped in place."""
+    t.detach().reshape(-1).view(torch.uint8)[byte:byte + 1].bitwise_xor_(1 << bit)
+
+
+def _locate(region, row: int) -> tuple[torch.Tensor, int]:
+    """(tensor, byte offset in it) of the first byte of a region's row."""
+    from megatron_bitdet.fingerprint.shards import ROW_BYTES
+
+    layout = region.layout
+    i = max(j for j, first in enumerate(layout.first_row) if first <= row)
+    return region.tensors[i], (row - layout.first_row[i]) * ROW_BYTES
+
+
+class PlantFlip(StepHook):
+    """At the start of ``step``, on ``rank``: one bit of this replica's params flipped, in the chunk of
+    another replica's slice that this rank checks at that step (a persistent fault without the
+    distributed optimizer, whose all-gather would overwrite it). Where: ``out`` (JSON)."""
+
+    def __init__(self, rank: int, step: int, out: str):
+        self.rank, self.step, self.out = rank, step, out
+
+    def begin(self, step, state, batches):
+        if step == self.step and torch.distributed.get_rank() == self.rank:
+            from megatron_bitdet.train.step_fingerprints import ddp_regions
+
+            region = next(r for r in ddp_regions(state.ddp_modules) if r.kind == "params")
+            check = region.jobs(step)[1]
+            t, offset = _locate(region, check.lo)
+            byte = offset + 2  # a float32's third byte: mantissa bits, a change no update rounds away
+            _flip_bit(t, byte, 6)
+            first = region.layout.byte_of_row(check.lo)
+            Path(self.out).write_text(json.dumps({"rank": self.rank, "step": step, "buf": region.buf,
+                                                  "byte": first + 2}))
+        return batches
+
+
+def planted(rank: int, world_size: int, *, recipe: dict, options: dict, flip: dict) -> int:
+    return worker(rank, world_size, recipe=recipe, options=options, hooks=[PlantFlip(**flip)])
+
+
+def flip_every_kind(rank: int, world_size: int, *, recipe: dict, options: dict, out: str) -> int:
+    """After one training step: for every digest kind this rank writes, one bit flipped in the bytes it
+    digests (its own slice of a replicated buffer, its owned shard, its small state), the step's
+    digests taken again, the bit flipped back. ``out``: {kind: [changed?, ...]} per rank."""
+    from megatron_bitdet.fingerprint.shards import slice_rows
+    from megatron_bitdet.train.step_fingerprints import StepDigests
+
+    class Flipper(StepHook):
+        def end(self, step, line):
+            digests = StepDigests(self.state.ddp_modules)
+
+            def line_digests():
+                digests.grads(step)
+                digests.state(step)
+                return digests.resolve()[0]
+
+            base = line_digests()
+            assert base == line["digests"], "the same state digested twice must give the line's digests"
+            changed = {}
+            for region in digests.regions():
+                g, rows = region.group, region.layout.rows
+                lo, hi = (0, rows) if region.sharded or g.size == 1 else slice_rows(rows, g.index, g.size)
+                if lo == hi:
+                    continue
+                t, offset = _locate(region, (lo + hi) // 2)
+                _flip_bit(t, offset + 1, 3)
+                now = line_digests()
+                _flip_bit(t, offset + 1, 3)
+                changed.setdefault(region.kind, []).append(now[region.kind] != base[region.kind])
+            for kind, tensors in digests._small_state().items():
+                if kind == "generators":
+                    (name, _), gen = tensors[0], digests._sources[1][0][1]
+                    saved = gen.get_state()
+                    state = saved.clone()
+                    state[100] ^= 1 << 2
+                    gen.set_state(state)
+                    now = line_digests()
+                    gen.set_state(saved)
+                else:
+                    t = tensors[0][1]
+                    _flip_bit(t, 0, 1)
+                    now = line_digests()
+                    _flip_bit(t, 0, 1)
+                changed.setdefault(kind, []).append(now[kind] != base[kind])
+            assert line_digests() == base
+            Path(out, f"rank_{torch.distributed.get_rank()}.json").write_text(json.dumps(changed))
+            return True
+
+        def begin(self, step, state, batches):
+            self.state = state
+            return batches
+
+    return worker(rank, world_size, recipe=recipe, options=options, hooks=[Flipper()])
+
+
+for _entry in (recorded, planted, flip_every_kind):
+    _entry.before_process_group = enforce
