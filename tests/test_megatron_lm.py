@@ -127,6 +127,7 @@ def test_mamba_fingerprints_and_manifest_describe_what_megatron_built(mamba_runs
     assert [f["runs"] for f in built["causal_conv1d_old"]] == ["megatron_bitdet.kernels.causal_conv1d:causal_conv1d_fn"]
     assert built["causal_conv1d_old"][0]["position"].endswith("decoder.layers.0.mixer.conv")
     assert [f["runs"] for f in built["te_grouped_gemm"]] == ["megatron.core.transformer.moe.experts:SequentialMLP"]
+    assert [f["runs"] for f in built["moe_router_fusion"]] == ["megatron_bitdet.kernels.moe_aux:switch_load_balancing_loss_func"]
     assert (runs["a"] / "logs" / "rank_00001.log").is_file()
 
 

@@ -20,7 +20,19 @@ from dataclasses import dataclass
 
 # the rule judging each kind of position: experts, attention core, the Mamba mixer's conv and scan calls
 SLOT_RULES = {"experts": ("te_grouped_gemm",), "core_attention": ("te_attention_nondeterministic", "flash_attention"),
-              "mixer.conv": ("causal_conv1d_old",), "mixer.scan": ("mamba_ssm_nondeterministic",)}
+              "mixer.conv": ("causal_conv1d_old",), "mixer.scan": ("mamba_ssm_nondeterministic",),
+              "config.moe_router_fusion": ("moe_router_fusion",), "config.moe_permute_fusion": ("moe_permute_fusion",),
+              "config.cross_entropy_loss_fusion": ("cross_entropy_loss_fusion",)}
+# megatron-core 0.16.1 picks these by a config flag, not a spec class: config field -> (what runs when it
+# is on, the binding megatron calls when it is off: read as bound now, a swap's patch included)
+FLAG_CALLS = {
+    "moe_router_fusion": ("megatron.core.extensions.transformer_engine:fused_moe_aux_loss",
+                          "megatron.core.transformer.moe.router:switch_load_balancing_loss_func"),
+    "moe_permute_fusion": ("megatron.core.extensions.transformer_engine:fused_unpermute",
+                           "megatron.core.transformer.moe.moe_utils:unpermute"),
+    "cross_entropy_loss_fusion": ("megatron.core.fusions.fused_cross_entropy:fused_vocab_parallel_cross_entropy",
+                                  "megatron.core.tensor_parallel.cross_entropy:vocab_parallel_cross_entropy"),
+}
 # MambaMixer (megatron-core 0.16.1): the memory-efficient path runs one fused conv+scan function with its
 # own conv; the split path calls the conv and the chunked scan through these module globals
 MIXER_CALLS = {True: {"conv": "mamba_split_conv1d_scan_combined", "scan": "mamba_split_conv1d_scan_combined"},
@@ -120,6 +132,26 @@ def mixer_calls(position: str, mem_eff_path: bool) -> list[Finding]:
     return out
 
 
+def flag_calls(config) -> list[Finding]:
+    """What runs where megatron-core chooses by a flag of ``config`` (a TransformerConfig or Megatron-LM's
+    args): the fused kernel when it is on, else megatron's own function as bound now."""
+    out = []
+    for field_name, (fused, binding) in FLAG_CALLS.items():
+        if not hasattr(config, field_name):
+            continue
+        if getattr(config, field_name):
+            out.append(Finding(f"config.{field_name}", fused, _source_by_name(fused)))
+        else:
+            module, attr = binding.split(":")
+            fn = getattr(importlib.import_module(module), attr)
+            out.append(Finding(f"config.{field_name}", name_of(fn), source_of(fn)))
+    return out
+
+
+def _source_by_name(symbol: str) -> str | None:
+    return next((entry for known, _, entry in _known() if known == symbol), None)
+
+
 def audit_spec(spec, *, mem_eff_path: bool = True) -> list[Finding]:
     """What the spec will build at each judged position, and what its Mamba mixers will call."""
     from megatron.core.ssm.mamba_mixer import MambaMixer
@@ -137,6 +169,8 @@ def walk_built(modules) -> list[Finding]:
     """The same judgement on built modules (model chunks): every module's class, each mixer's calls."""
     from megatron.core.ssm.mamba_mixer import MambaMixer
 
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
     out = []
     for chunk, model in enumerate(modules):
         for name, module in model.named_modules():
@@ -145,7 +179,9 @@ def walk_built(modules) -> list[Finding]:
                 out.append(Finding(position, name_of(type(module)), source))
             if isinstance(module, MambaMixer):
                 out += mixer_calls(position, module.use_mem_eff_path)
-    return out
+    config = next((m.config for model in modules for m in model.modules()
+                   if isinstance(getattr(m, "config", None), TransformerConfig)), None)
+    return out + (flag_calls(config) if config is not None else [])
 
 
 def by_rule(findings) -> dict:

@@ -21,6 +21,7 @@
 """
 from __future__ import annotations
 
+import argparse
 import functools
 import os
 import sys
@@ -155,19 +156,20 @@ def judge(session, args):
     return recipe, (settings, outcome, violations, warnings)
 
 
-def swap_spec(recipe, args, outcome, *, in_place: bool) -> None:
+def swap_spec(recipe, args, outcome, *, in_place: bool, config) -> None:
     """A swap replaces what was built: where the rules resolved te_grouped_gemm by a swap, or the recipe
     asks for ``expert_impl: grouped``, the experts ``--spec`` holds (it was built at its import, before
     any patch) become GroupedProbMLP — in the object Megatron builds from, or, for --check, in a copy;
-    the outcome then records, per rule, what will run."""
-    from megatron_bitdet.enforce.audit import audit_spec, runs_record, swap_grouped_experts
+    the outcome then records, per rule, what will run (``config``: the flags the model config will get)."""
+    from megatron_bitdet.enforce.audit import audit_spec, flag_calls, runs_record, swap_grouped_experts
 
-    spec = launch_spec(args)
-    if spec is None:
-        return
-    if any(s["id"] == "te_grouped_gemm" for s in outcome.swaps) or recipe.model.moe.expert_impl == "grouped":
-        spec, _ = swap_grouped_experts(spec, copy=not in_place, sequential=recipe.model.moe.expert_impl == "grouped")
-    outcome.runs = runs_record(audit_spec(spec, mem_eff_path=False))
+    spec, findings = launch_spec(args), flag_calls(config)
+    if spec is not None:
+        if any(s["id"] == "te_grouped_gemm" for s in outcome.swaps) or recipe.model.moe.expert_impl == "grouped":
+            spec, _ = swap_grouped_experts(spec, copy=not in_place,
+                                           sequential=recipe.model.moe.expert_impl == "grouped")
+        findings = audit_spec(spec, mem_eff_path=False) + findings
+    outcome.runs = runs_record(findings)
 
 
 def _print_judgement(recipe, outcome, violations) -> None:
@@ -193,7 +195,13 @@ def check_launch(session, extra_args_provider) -> int:
     session.opts.run_dir = args.run_dir
     recipe, judged = judge(session, args)
     _, outcome, violations, _ = judged
-    swap_spec(recipe, args, outcome, in_place=False)
+    if violations:
+        config = args
+    else:  # the flags as on_validate will leave them for the model config
+        from megatron_bitdet.enforce import megatron_overrides
+
+        config = argparse.Namespace(**{**vars(args), **megatron_overrides(recipe)})
+    swap_spec(recipe, args, outcome, in_place=False, config=config)
     _print_judgement(recipe, outcome, violations)
     if not violations and args.run_dir:
         from megatron_bitdet.enforce import Enforcement, write_manifest
@@ -244,7 +252,7 @@ def on_validate(session, args) -> None:
         print(f"[bitdet] warning: {warning}", file=sys.stderr, flush=True)
     session.patches = patching.apply_for(recipe, family=recipe.model.spec, swaps=enforcement.rules.swaps)
     if judged is not None:
-        swap_spec(recipe, args, enforcement.rules, in_place=True)
+        swap_spec(recipe, args, enforcement.rules, in_place=True, config=args)
     session.manifest = _manifest(session, enforcement, args)
     if args.rank == 0:
         from megatron_bitdet.enforce import write_manifest
