@@ -144,7 +144,7 @@ def test_te_mamba_stack_spec_target_is_megatrons_spec_with_deterministic_experts
     assert at(audit.audit_spec(mamba_stack_spec), EXPERTS).runs == GROUPED_MLP
 
 
-def test_mem_eff_path_is_routed_to_the_split_path_the_swaps_reach(audit):
+def test_mem_eff_path_is_routed_to_the_split_path_the_swaps_reach():
     """Why 3: megatron's default use_mamba_mem_eff_path calls mamba_split_conv1d_scan_combined, whose
     own conv the causal_conv1d swap cannot reach; deterministic mode takes the split path, where it can."""
     from megatron.core.transformer import TransformerConfig
@@ -158,6 +158,8 @@ def test_mem_eff_path_is_routed_to_the_split_path_the_swaps_reach(audit):
     assert config.use_mamba_mem_eff_path is False
     args = apply_to_megatron_args(argparse.Namespace(), recipe)
     assert args.use_mamba_mem_eff_path is False  # core_transformer_config_from_args copies it into the config
+    from megatron_bitdet.enforce import audit
+
     with patched(load_declarations(ids=["causal_conv1d"])):
         calls = {f.position: f.runs for f in audit.mixer_calls("mixer", config.use_mamba_mem_eff_path)}
         assert calls["mixer.conv"] == "megatron_bitdet.kernels.causal_conv1d:causal_conv1d_fn"

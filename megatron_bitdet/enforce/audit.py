@@ -7,8 +7,10 @@ binds, read as they are when the step runs: a swap's patch included). Both match
 the ``implementations`` of the catalog of known sources (``catalog/known_sources.yaml``): a match is a
 known nondeterministic implementation, and the rules judge it (``Facts.runs``) whatever the flags say.
 
-:func:`replace_in_spec` is the swap of a class the spec itself holds (megatron-core's TE Mamba spec builds
-its MoE experts as ``TEGroupedMLP`` when it is imported, whatever ``--moe-grouped-gemm`` says).
+:func:`swap_grouped_experts` swaps a class the spec itself holds (megatron-core's TE Mamba spec builds its MoE
+experts as ``TEGroupedMLP`` when it is imported, whatever ``--moe-grouped-gemm`` says) in the spec object:
+a swap replaces what will be built, not a binding the spec no longer reads. :func:`flag_calls` names what
+megatron-core picks by a config flag instead (TE's fused router, permute, cross entropy).
 """
 from __future__ import annotations
 
@@ -168,7 +170,6 @@ def audit_spec(spec, *, mem_eff_path: bool = True) -> list[Finding]:
 def walk_built(modules) -> list[Finding]:
     """The same judgement on built modules (model chunks): every module's class, each mixer's calls."""
     from megatron.core.ssm.mamba_mixer import MambaMixer
-
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     out = []
@@ -191,11 +192,6 @@ def by_rule(findings) -> dict:
         for rule in SLOT_RULES.get(_slot(f.position), ()):
             out.setdefault(rule, []).append(f)
     return out
-
-
-def flagged(findings, rule: str) -> list[Finding]:
-    """The findings of ``rule``'s positions that are known nondeterministic sources."""
-    return [f for f in by_rule(findings).get(rule, []) if f.source]
 
 
 def replace_in_spec(spec, position: str, new, *, copy: bool):
