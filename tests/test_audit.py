@@ -201,7 +201,11 @@ def test_te_fp8_with_grouped_experts_is_refused_at_validation_naming_both_keys()
     load_recipe("nemotron_h_tiny_fp8", ["model.spec=te", "model.moe.expert_impl=sequential"])
 
 
-def test_triton_grouped_backend_is_a_recipe_key_refused_where_it_cannot_run():
+def test_triton_grouped_backend_is_a_recipe_key_refused_where_it_cannot_run(monkeypatch):
+    """Why 9: the Triton grouped MLP is selected by model.moe.grouped_backend. Stand-in for a machine with
+    triton and a CUDA device: kernels.grouped_mlp.backend_unavailable (bitdet's own check) says nothing is
+    missing; the experts spec then carries the backend to GroupedProbMLP."""
+    from megatron_bitdet.kernels import grouped_mlp
     from megatron_bitdet.model.builder import stack_spec
 
     recipe = tiny("model.spec=local", "model.moe.grouped_backend=triton")
@@ -211,6 +215,10 @@ def test_triton_grouped_backend_is_a_recipe_key_refused_where_it_cannot_run():
         tiny("model.moe.expert_impl=sequential", "model.moe.grouped_backend=triton")
     spec = stack_spec(tiny("model.spec=local"))
     assert "kernel_config" not in spec.submodules.moe_layer.submodules.mlp.submodules.experts.params
+    monkeypatch.setattr(grouped_mlp, "backend_unavailable", lambda backend: None)
+    experts = stack_spec(recipe).submodules.moe_layer.submodules.mlp.submodules.experts
+    assert experts.module is grouped_mlp.GroupedProbMLP
+    assert experts.params["kernel_config"] == grouped_mlp.GroupedMLPConfig(backend="triton")
 
 
 def test_catalog_implementations_name_real_megatron_symbols(audit):
