@@ -30,6 +30,8 @@ CONFIGS = {
     "fp8": ("nemotron_h_tiny_fp8.yaml", []),
     "fp4": ("nemotron_h_tiny_fp4.yaml", []),
 }
+SCOPE = {"bf16": "bfloat16", "bf16_distopt": "bfloat16", "fp8": "bfloat16 fp8:delayed/hybrid",
+         "fp4": "bfloat16 fp4:nvfp4/e2m1[2d_weights,hadamard,stochastic_rounding]"}
 FP4_STATE = {"fp4_sr_rng", "fp4_hadamard_signs", "fp4_block_scales", "fp4_values"}
 DIGESTS = {"bf16": {"params", "grads", "main_params", "buffers"},
            "bf16_distopt": {"params", "grads", "main_params", "buffers"},
@@ -79,6 +81,9 @@ def test_independent_runs_are_bitwise_equal(runs, name):
     assert set(result.digests_compared) == DIGESTS[name]
     line = (reference / "fingerprints" / "rank_00000.jsonl").read_text().splitlines()[0]
     assert '"main_params":"xxh3_128:' in line
+    manifest = json.loads((reference / "manifest.json").read_text())
+    assert manifest["scope"]["precision"] == SCOPE[name]
+    assert ("fp4_emulated_linear" in {p["id"] for p in manifest["patches"]}) == (name == "fp4")
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

@@ -69,6 +69,19 @@ def torch_flags() -> dict:
             "fill_uninitialized_memory": bool(torch.utils.deterministic.fill_uninitialized_memory)}
 
 
+def precision_scope(model) -> str:
+    """The numeric formats the run computes in: params dtype, then FP8's or NVFP4's recipe and parts."""
+    out = model.params_dtype
+    if model.fp8.recipe != "none":
+        out += f" fp8:{model.fp8.recipe}/{model.fp8.format}"
+    f = model.fp4
+    if f.recipe != "none":
+        parts = [p for p, on in (("2d_weights", f.weight_2d_scaling), ("hadamard", f.hadamard),
+                                 ("stochastic_rounding", f.stochastic_rounding)) if on]
+        out += f" fp4:{f.recipe}/{f.format}[{','.join(parts)}]"
+    return out
+
+
 def build_scope(recipe, *, world_size: int, threads: int, placement: dict | None = None,
                 model_provider: str | None = None) -> dict:
     """The flat validation scope for this process, recipe and world size; the model provider (a
@@ -85,6 +98,7 @@ def build_scope(recipe, *, world_size: int, threads: int, placement: dict | None
         "ep": p.expert, "etp": p.expert_tensor, "sp": p.sequence_parallel,
         "deterministic_mode": recipe.determinism.mode, "recipe_digest": recipe.digest(),
         "seed": recipe.training.seed, "model_provider": model_provider or "default",
+        "precision": precision_scope(recipe.model),
     })
     scope.update({f"torch/{k}": v for k, v in torch_flags().items()})
     if placement is not None and placement_in_scope(recipe):
