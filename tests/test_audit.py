@@ -184,8 +184,13 @@ def test_megatron_overrides_switch_off_what_enable_reports_swapped():
 def test_apply_to_megatron_args_swaps_what_enable_swaps_and_refuses_flash():
     args = apply_to_megatron_args(argparse.Namespace(moe_router_fusion=True, moe_grouped_gemm=True))
     assert (args.moe_router_fusion, args.moe_grouped_gemm, args.deterministic_mode) == (False, False, True)
+    from megatron.core.transformer.enums import AttnBackend
+
     with pytest.raises(DeterminismViolation, match=r"\[flash_attention\] --use-flash-attn is set"):
         apply_to_megatron_args(argparse.Namespace(use_flash_attn=True, moe_router_fusion=True))
+    with pytest.raises(DeterminismViolation, match=r"\[flash_attention\] --attention-backend flash is set"):
+        apply_to_megatron_args(argparse.Namespace(attention_backend=AttnBackend.flash))
+    assert apply_to_megatron_args(argparse.Namespace(attention_backend=AttnBackend.auto)).deterministic_mode
     with pytest.raises(DeterminismViolation, match=r"\[moe_router_fusion\]"):
         apply_to_megatron_args(argparse.Namespace(moe_router_fusion=True), tiny("determinism.swaps=false"))
 

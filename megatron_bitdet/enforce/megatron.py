@@ -79,12 +79,16 @@ def apply_to_megatron_args(args, recipe=None):
     from megatron_bitdet.recipe.schema import DeterminismConfig
 
     determinism = recipe.determinism if recipe is not None else DeterminismConfig()
-    flags = {rid: flag for flag, rid in MEGATRON_FLAG_RULES.items() if getattr(args, flag, False)}
-    outcomes = {rid: (f"--{flag.replace('_', '-')} is set", _resolve(rid, determinism)) for rid, flag in flags.items()}
+    flags = {rid: (flag, f"--{flag.replace('_', '-')} is set")
+             for flag, rid in MEGATRON_FLAG_RULES.items() if getattr(args, flag, False)}
+    backend = getattr(args, "attention_backend", None)
+    if getattr(backend, "name", backend) == "flash":  # Megatron-LM parses it into megatron's AttnBackend enum
+        flags.setdefault("flash_attention", (None, "--attention-backend flash is set"))
+    outcomes = {rid: (message, _resolve(rid, determinism)) for rid, (_, message) in flags.items()}
     _refuse(outcomes)
     for rid, (_, how) in outcomes.items():
         if how == "swap":
-            setattr(args, flags[rid], False)
+            setattr(args, flags[rid][0], False)
     args.deterministic_mode = True
     args.use_mamba_mem_eff_path = False
     return args
