@@ -102,7 +102,8 @@ def test_bytes_digested_per_rank_halve_from_dp1_to_dp2_to_dp4(tmp_path):
 
     per = {}
     for dp in (1, 2, 4):
-        assert run(tmp_path / f"dp{dp}", "parallel.expert=1", nproc=dp, iterations=1) == 0
+        assert run(tmp_path / f"dp{dp}", "parallel.expert=1", "training.lr_schedule.warmup_iters=0", nproc=dp,
+                   iterations=1) == 0
         per[dp] = [rank_bytes(lines(tmp_path / f"dp{dp}", r)[0]) for r in range(dp)]
     total = per[1][0]["params"][0]
     assert per[1][0]["params"][1] == 0 and per[1][0]["grads"] == (total, 0)  # one replica: all of it, no check
@@ -130,7 +131,7 @@ def test_a_flipped_bit_in_every_buffer_kind_on_every_rank_changes_the_line(tmp_p
     recipe_file = {"recipe=bf16": "nemotron_h_tiny_bf16.yaml", "recipe=fp8": "nemotron_h_tiny_fp8.yaml"}
     name = next((recipe_file[o] for o in overrides if o in recipe_file), RECIPE.name)
     rest = [o for o in overrides if o not in recipe_file and o != "--provider"]
-    recipe = load_recipe(str(REPO / "recipes" / name), ["training.iterations=2", *rest])
+    recipe = load_recipe(str(REPO / "recipes" / name), ["training.iterations=3", *rest])
     provider = "generator_provider:provider" if "--provider" in overrides else None
     out = tmp_path / "out"
     out.mkdir()
