@@ -24,11 +24,12 @@ Rows:
 - the default recipe (EP1, one rank): its determinism tax and its module / op tracing overhead.
 
 grouped_mm dtype (decided): the default recipe is fp32 and its grouped experts keep fp32 on CUDA. torch
-serves fp32 ``F.grouped_mm`` on CUDA with its per-group fallback (one cuBLAS GEMM per expert: as
-deterministic as cuBLAS under CUBLAS_WORKSPACE_CONFIG, and slower than the grouped CUTLASS kernel that
-only bf16 gets); casting to bf16 inside the experts would change the numbers the recipe asked for and
-break the bitwise agreement with the sequential experts. bf16 recipes take the fast kernel. The
-grouped_mm rows time both against the per-expert loop they replace.
+(>= 2.9, pytorch#162059) serves fp32 ``F.grouped_mm`` on CUDA with its per-group fallback: one cuBLAS
+GEMM per expert after copying the offsets to the host, as deterministic as cuBLAS under
+CUBLAS_WORKSPACE_CONFIG and slower than the grouped CUTLASS kernel that only bf16 gets. Casting to bf16
+inside the experts would change the numbers the recipe asked for and break the bitwise agreement with
+the sequential experts; bf16 recipes take the fast kernel. The grouped_mm rows time both against the
+per-expert loop they replace.
 
 ``--plant-failure CHECK`` makes that check's row raise (CI's proof that one failing row leaves the
 table whole). Only the repository and the machine are needed. On a machine without megatron-core,

@@ -299,7 +299,7 @@ def test_triton_grouped_mlp_private_slots_are_repeatable_and_match_torch():
     w1 = torch.randn(5, 512, 256, device=dev, generator=g) / 16
     w2 = torch.randn(5, 256, 512, device=dev, generator=g) / 22
 
-    def run(backend, device=dev):  # the torch reference runs on CPU (grouped_mm on CUDA wants bf16)
+    def run(backend, device=dev):  # the torch reference on CPU: another device's GEMMs (gpu_check times CUDA's)
         leaves = [t.to(device).clone().requires_grad_() for t in (x, probs, w1, w2)]
         y = grouped_prob_mlp(*leaves[:2], *leaves[2:], counts.to(device), squared_relu, GroupedMLPConfig(backend=backend))
         y.backward(torch.ones_like(y))
