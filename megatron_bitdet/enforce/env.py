@@ -108,7 +108,7 @@ ENV_TABLE = (
     EnvVar("TORCHINDUCTOR_MAX_AUTOTUNE_GEMM", "0", _one_of("0", "1"), "0", "inductor",
            "as TORCHINDUCTOR_MAX_AUTOTUNE, for GEMM templates only", governed_by="torch_compile_max_autotune"),
     EnvVar("PYTHONHASHSEED", "0", lambda v: v.isdigit(), "a decimal integer (not 'random')", "python",
-           "str/bytes hashing (set iteration order); affects only processes started after enforcement"),
+           "str/bytes hashing (set iteration order); read once, when the interpreter starts"),
     EnvVar("NVTE_FLASH_ATTN", None, _one_of("0", "1"), "0 or 1", "transformer_engine",
            "recorded: which TE attention backends may be chosen is part of the scope"),
     EnvVar("NVTE_FUSED_ATTN", None, _one_of("0", "1"), "0 or 1", "transformer_engine",

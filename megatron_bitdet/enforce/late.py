@@ -1,7 +1,8 @@
 """Late-application detection: a variable set after its reader already initialized has no effect.
 
 Only variables whose value enforcement actually changes count (a launcher's value was in place before
-anything read it). Each reader says how to tell it already ran and whether that is fatal.
+anything read it). Each reader says how to tell it already ran and whether that is fatal. PYTHONHASHSEED
+is judged by what the interpreter really hashes with (``EnvSetting.in_effect``), whoever set it.
 """
 from __future__ import annotations
 
