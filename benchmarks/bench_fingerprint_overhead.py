@@ -23,21 +23,25 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 
 
-_ENFORCEMENT: list = []
-
-
 def enforce(rank: int, world_size: int, *, recipe: dict, **_unused) -> None:
-    """Before the process group, as ``bitdet train``'s worker does (the launcher calls it)."""
+    """Before the process group, as ``bitdet train``'s worker does (the launcher calls it); the
+    (recipe, enforcement) pair lands in ``enforce.results``."""
     from megatron_bitdet.enforce import enable
     from megatron_bitdet.compat.patching import declared_ids
     from megatron_bitdet.recipe import Recipe
 
     recipe = Recipe.from_dict(recipe, source="<bench recipe>")
-    _ENFORCEMENT.append((recipe, enable(recipe, rank=rank, world_size=world_size, available_swaps=declared_ids())))
+    enforce.results.append((recipe, enable(recipe, rank=rank, world_size=world_size, available_swaps=declared_ids())))
+
+
+enforce.results = []
 
 
 def build(recipe, enforcement):
-    """setup -> data, in the worker's order (enforcement and process group already in place)."""
+    """setup -> data, in the worker's order (enforcement and process group already in place); the
+    data of this rank's data-parallel slice."""
+    from megatron.core import parallel_state as ps
+
     from megatron_bitdet.model.builder import default_model_provider
     from megatron_bitdet.train.data import build_train_data
     from megatron_bitdet.train.setup import setup
@@ -46,7 +50,8 @@ def build(recipe, enforcement):
     t = recipe.training
     data = build_train_data(
         recipe.data, seq_length=recipe.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
-        global_batch_size=t.global_batch_size, dp_rank=0, dp_size=1, train_samples=t.iterations * t.global_batch_size,
+        global_batch_size=t.global_batch_size, dp_rank=ps.get_data_parallel_rank(),
+        dp_size=ps.get_data_parallel_world_size(), train_samples=t.iterations * t.global_batch_size,
     )
     return state, data
 
@@ -75,7 +80,7 @@ def bench_worker(rank: int, world_size: int, *, recipe: dict, steps: int, warmup
     from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
     from megatron_bitdet.train.step_fingerprints import StepDigests
 
-    recipe, enforcement = _ENFORCEMENT[0]
+    recipe, enforcement = enforce.results[0]
     state, data = build(recipe, enforcement)
     forward_backward = get_forward_backward_func()
     n_params = sum(b.param_data.numel() for m in state.ddp_modules for b in m.buffers + m.expert_parallel_buffers)

@@ -41,9 +41,11 @@ from pathlib import Path
 from typing import NamedTuple
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.intervals import MIN_ROUNDS, median_interval, paired_ratios, verdict  # noqa: E402
+
 CONFIGS = ("untraced", "semantic", "module", "op")
 GOALS = {"module": 1.1, "op": 2.0}
-MIN_ROUNDS = 10  # the goals are paired medians of at least this many rounds: fewer get no verdict
 
 
 _DTYPE_BYTES = {"bool": 1, "uint8": 1, "int8": 1, "int16": 2, "int32": 4, "int64": 8, "float16": 2,
@@ -176,7 +178,8 @@ def worker(rank: int, world_size: int, *, recipe: dict, out: str, rounds: int, w
     gathered = [None] * world_size
     torch.distributed.all_gather_object(gathered, {"wall": times, "cpu": cpu, "main": main_cpu})
     if rank == 0:
-        Path(out).write_text(json.dumps({"times": gathered, "op_trace": trace_volume(tmp / "op", rank)}))
+        Path(out).write_text(json.dumps({"times": gathered, "volume": {level: trace_volume(tmp / level, rank)
+                                                                        for level in ("module", "op")}}))
     torch.distributed.barrier()
     ps.destroy_model_parallel()
     return 0
@@ -204,7 +207,7 @@ class Measured(NamedTuple):
     wall: dict          # step ms, the slowest rank's
     cpu: dict           # CPU ms, every rank's process together
     main: list          # per rank: its main thread's CPU ms
-    op_trace: dict      # trace_volume of rank 0's op trace
+    volume: dict        # level (module, op) -> trace_volume of rank 0's trace
 
 
 def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: str | None = None) -> Measured:
@@ -225,42 +228,20 @@ def measure(recipe, *, nproc: int, rounds: int, warmup: int, profile: str | None
     per_round = {c: [max(r[c][i] for r in ranks) * 1000 for i in range(rounds)] for c in CONFIGS}
     cpu = {c: [sum(r["cpu"][c][i] for r in data["times"]) * 1000 for i in range(rounds)] for c in CONFIGS}
     main_cpu = [{c: [x * 1000 for x in r["main"][c]] for c in CONFIGS} for r in data["times"]]
-    return Measured(per_round, cpu, main_cpu, data["op_trace"])
-
-
-def _ratios(per_round: dict, config: str) -> list[float]:
-    """Each round's traced / untraced."""
-    return [x / b for x, b in zip(per_round[config], per_round["untraced"])]
+    return Measured(per_round, cpu, main_cpu, data["volume"])
 
 
 def paired_ratio(per_round: dict, config: str) -> float:
-    return statistics.median(_ratios(per_round, config))
+    """The median over rounds of each round's traced / untraced."""
+    return statistics.median(paired_ratios(per_round[config], per_round["untraced"]))
 
 
-def ratio_interval(per_round: dict, config: str, resamples: int = 2000) -> tuple[float, float]:
-    """A 95% bootstrap interval of the paired median (rounds resampled with replacement, one seed):
-    how far this run's figure can be trusted on a machine whose single steps spread by +-20%."""
-    ratios = _ratios(per_round, config)
-    rng = random.Random(1)
-    meds = sorted(statistics.median(rng.choices(ratios, k=len(ratios))) for _ in range(resamples))
-    return meds[int(0.025 * resamples)], meds[int(0.975 * resamples) - 1]
-
-
-def verdict(ratio: float, interval: tuple[float, float], goal: float, rounds: int) -> str:
-    """"ok" only when the whole interval is within the goal, "MISSED" when none of it is; none at all
-    below ``MIN_ROUNDS`` (a smoke run's two rounds would otherwise read "ok")."""
-    if rounds < MIN_ROUNDS:
-        return f"no verdict: {rounds} rounds, the goal needs >= {MIN_ROUNDS}"
-    lo, hi = interval
-    if hi <= goal:
-        return "ok"
-    if lo > goal:
-        return "MISSED"
-    return f"inconclusive: the interval spans {goal:.1f}x; median {'within' if ratio <= goal else 'above'}"
+def ratio_interval(per_round: dict, config: str) -> tuple[float, float]:
+    """``paired_ratio``'s 95% bootstrap interval."""
+    return median_interval(paired_ratios(per_round[config], per_round["untraced"]))
 
 
 def main() -> None:
-    sys.path.insert(0, str(ROOT))
     from benchmarks.shapes import SHAPES
     from megatron_bitdet.recipe import load_recipe
 
@@ -299,10 +280,11 @@ def main() -> None:
         print(f"  {c:<10} " + "  ".join(f"rank {i}: {statistics.median(r[c]):6.1f} ms ({e:+.2f} ms, "
                                         f"{paired_ratio(r, c):.3f}x)"
                                         for i, (r, e) in enumerate(zip(main_cpu, extras))))
-    ops, mib = volume["records_per_step"], volume["bytes_per_step"] / 2**20
-    extra = statistics.median(o - b for o, b in zip(per_round["op"], per_round["untraced"]))
-    print(f"op trace, rank 0: {ops:.0f} records and {mib:.1f} MiB of tensors digested per step; "
-          f"paired extra {extra:.1f} ms = {extra * 1000 / ops:.1f} us per record")
+    for level in ("module", "op"):
+        records, mib = volume[level]["records_per_step"], volume[level]["bytes_per_step"] / 2**20
+        extra = statistics.median(o - b for o, b in zip(per_round[level], per_round["untraced"]))
+        print(f"{level} trace, rank 0: {records:.0f} records and {mib:.1f} MiB of tensors digested per step; "
+              f"paired extra {extra:.1f} ms = {extra * 1000 / records:.1f} us per record")
     print(f"in process ({costs['op_tracer']} op tracer): {costs['us_per_op']:.1f} us per traced op on tiny tensors, "
           f"{costs['ns_per_byte']:.3f} ns per digested byte ({1 / costs['ns_per_byte']:.1f} GB/s)")
     print(f"1-minute load average: {load0:.2f} at the start, {load1:.2f} at the end")

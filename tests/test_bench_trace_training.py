@@ -7,7 +7,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.bench_trace_training import MIN_ROUNDS, verdict  # noqa: E402
+from benchmarks.intervals import MIN_ROUNDS, verdict  # noqa: E402
 
 
 def test_a_verdict_covers_the_whole_interval():
