@@ -110,3 +110,70 @@ def test_device_digest_does_not_depend_on_the_block_size(monkeypatch):
     for rows in (1, 3, 1000):
         monkeypatch.setitem(shards._BLOCK_WORDS, "cpu", rows * shards.ROW_WORDS)
         assert digest_rows([x], chunks=3) == want
+
+
+def _as_v2(step, rank, line):
+    line["v"] = 2
+    line["digests"] = {k: "xxh3_64:" + v.partition(":")[2][:16] for k, v in line["digests"].items()}
+    line["slices"] = [{"kind": "params", "buf": "0.dense.0", "group": "00ff00ff", "index": rank, "of": 2,
+                       "sharded": False, "bytes": 64, "parts": [[32 * rank, 32 * rank + 32, "0123456789abcdef"]]}]
+
+
+def test_v1_files_still_read_but_their_digests_are_not_compared_with_v2(tmp_path):
+    """A v1 run (xxh3_128 of whole buffers) against a v2 run: the metrics compare, the digests are
+    refused naming both lines (exit 2), never reported as a divergence."""
+    from test_compare import write_run
+
+    from megatron_bitdet.analysis.compare import compare_runs
+    from megatron_bitdet.errors import BitdetInputError
+
+    v1, v2 = write_run(tmp_path / "v1"), write_run(tmp_path / "v2", edit=_as_v2)
+    with pytest.raises(BitdetInputError, match=r"rank_00000\.jsonl:1 and .*rank_00000\.jsonl:1: digest:grads is "
+                                               r"xxh3_128 in A but xxh3_64 in B"):
+        compare_runs(v1, v2)
+    assert compare_runs(v1, v2, metrics=["loss", "lm_loss", "grad_norm"]).verdict == "match"
+    assert compare_runs(v2, write_run(tmp_path / "v2b", edit=_as_v2)).verdict == "match"
+
+
+@pytest.mark.parametrize("slices", [
+    {"kind": "params"},
+    [{"kind": "params", "buf": "b", "group": "g", "index": 2, "of": 2, "sharded": False, "bytes": 8, "parts": []}],
+    [{"kind": "params", "buf": "b", "group": "g", "index": 0, "of": 2, "sharded": False, "bytes": 8,
+      "parts": [[8, 8, "00"]]}],
+    [{"kind": "params", "buf": "b", "group": "g", "index": 0, "of": 2, "check_of": 5, "parts": []}],
+])
+def test_a_malformed_v2_slice_record_is_refused_naming_file_and_line(tmp_path, slices):
+    from test_compare import write_run
+
+    from megatron_bitdet.analysis.compare import compare_runs
+    from megatron_bitdet.errors import BitdetInputError
+
+    def bad(step, rank, line):
+        _as_v2(step, rank, line)
+        if step == 3 and rank == 1:
+            line["slices"] = slices
+
+    with pytest.raises(BitdetInputError, match=r"rank_00001\.jsonl:3: .*slice"):
+        compare_runs(write_run(tmp_path / "a", edit=bad), write_run(tmp_path / "b", edit=_as_v2))
+
+
+def test_check_names_replicas_that_disagree_and_refuses_what_it_cannot_check(tmp_path, capsys):
+    """``bitdet check`` on written lines: rank 1's check of rank 0's chunk at step 4 differs (exit 1,
+    named); equal everywhere else; a v1 run has nothing to check (exit 2, naming its file and line)."""
+    from test_compare import write_run
+
+    from megatron_bitdet.cli import main as bitdet
+
+    def with_checks(step, rank, line):
+        _as_v2(step, rank, line)
+        owner = 1 - rank
+        digest = "0123456789abcdef" if (step, rank) != (4, 1) else "fedcba9876543210"
+        line["slices"].append({"kind": "params", "buf": "0.dense.0", "group": "00ff00ff", "index": rank, "of": 2,
+                               "check_of": owner, "parts": [[32 * owner, 32 * owner + 32, digest]]})
+
+    assert bitdet(["check", str(write_run(tmp_path / "v1"))]) == 2
+    assert "rank_00000.jsonl:1: fingerprint format v1" in capsys.readouterr().err
+    assert bitdet(["check", str(write_run(tmp_path / "v2", edit=with_checks))]) == 1
+    out = capsys.readouterr().out
+    assert "REPLICAS DISAGREE: 1 of 10 chunks" in out
+    assert "step 4: params 0.dense.0 bytes 0-32: rank 1 holds fedcba9876543210, rank 0 (the slice's owner)" in out
