@@ -80,7 +80,7 @@ def test_independent_runs_are_bitwise_equal(runs, name):
     assert [s.step for s in result.per_step] == [1, 2, 3, 4]
     assert set(result.digests_compared) == DIGESTS[name]
     line = (reference / "fingerprints" / "rank_00000.jsonl").read_text().splitlines()[0]
-    assert '"main_params":"xxh3_128:' in line
+    assert '"main_params":"xxh3_64:' in line  # CPU tensors: the digests' host fast path
     manifest = json.loads((reference / "manifest.json").read_text())
     assert manifest["scope"]["precision"] == SCOPE[name]
     assert ("fp4_emulated_linear" in {p["id"] for p in manifest["patches"]}) == (name == "fp4")
@@ -131,6 +131,12 @@ def test_compute_copy_rounded_another_way_and_dropped_fp8_state_are_named(runs, 
     assert "bf16_compute_copy differs" in report.summary() and "fp8_scaling differs" in report.summary()
 
 
+# fault -> the components it must fail: its own, plus where the same state also lives (the generators
+# are module generators, rng.module:<where>; the encodings and signs are module buffers)
+FP4_FAULTS = {"fp4.sr_rng": {"fp4_sr_rng", "rng.module"}, "fp4.block_scales": {"fp4_block_scales", "fp4_values", "buffers"},
+              "fp4.hadamard_signs": {"fp4_hadamard_signs", "buffers"}}
+
+
 @pytest.mark.parametrize("fault,component", [("fp4.sr_rng", "fp4_sr_rng"), ("fp4.block_scales", "fp4_block_scales"),
                                              ("fp4.hadamard_signs", "fp4_hadamard_signs")])
 def test_fp4_state_left_wrong_by_a_restore_is_named(runs, tmp_path, fault, component):
@@ -145,9 +151,8 @@ def test_fp4_state_left_wrong_by_a_restore_is_named(runs, tmp_path, fault, compo
                            reference_dir=reference, out_dir=tmp_path)
     assert not report.holds
     fresh, resumed = report.points
-    assert fresh.holds and component in resumed.failing_components
+    assert fresh.holds
+    assert {c.split(":")[0] for c in resumed.failing_components} == FP4_FAULTS[fault]
     assert {c.rank for c in report.failures if c.component == component} == {0, 1}
-    others = FP4_STATE - {component} - ({"fp4_values"} if fault == "fp4.block_scales" else set())
-    assert all(c.equal for c in report.checks if c.component in {"bf16_compute_copy", "optimizer", *others})
     assert f"{component} differs" in report.summary()
     assert resumed.first_output_divergence == (None if fault == "fp4.block_scales" else 3)

@@ -138,8 +138,9 @@ class _FP4Emulation(KeepsStateDtype):
 
     @torch.no_grad()
     def redraw_hadamard_signs(self) -> None:
-        """Signs drawn anew from the default generator instead of restored."""
-        self.fp4_hadamard_signs.copy_(self._draw_signs(int(torch.randint(0, 2 ** 62, (1,)))))
+        """Signs drawn anew from another seed instead of restored (no run generator is touched, so only
+        the signs differ)."""
+        self.fp4_hadamard_signs.copy_(self._draw_signs(self.fp4.hadamard_seed + 1))
 
 
 class EmulatedFP4ColumnParallelLinear(_FP4Emulation, ColumnParallelLinear):
