@@ -39,7 +39,7 @@ def run(args) -> int:
 
     if args.check:
         argv = list(args.megatron_args) + (["--run-dir", args.run_dir] if args.run_dir else [])
-        return entry.main(["--check", args.script, *argv])
+        return entry.main(["--check", args.script, *argv], world_size=args.nproc)
     from megatron_bitdet.megatron_lm.launch import launch_line
 
     return launch_line(args.script, args.megatron_args, nproc=args.nproc, run_dir=args.run_dir)

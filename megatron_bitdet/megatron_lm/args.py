@@ -53,6 +53,19 @@ def _spec(a):
     return "local" if getattr(a, "transformer_impl", "transformer_engine") == "local" else "te"
 
 
+def _spec_flags(family: str) -> list[str]:
+    """bitdet's spec of the family (auto: TE where it imports, else local); without TE the local path's
+    fused kernels megatron-core turns on by default are Apex / TE kernels absent here (``machine``)."""
+    from megatron_bitdet.megatron_lm.machine import te_here
+
+    te = te_here()
+    if family == "te" or (family == "auto" and te):
+        return ["--spec", "megatron_bitdet.megatron_lm.specs", "te_mamba_stack_spec"]
+    unfused = [] if te else ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion"]
+    return ["--transformer-impl", "local", "--spec", "megatron_bitdet.megatron_lm.specs", "local_mamba_stack_spec",
+            *unfused]
+
+
 def _moe_expert_impl(a):
     return "te_grouped" if getattr(a, "moe_grouped_gemm", False) else "sequential"
 
@@ -112,6 +125,16 @@ def fp4_issue(args, spec: str) -> str | None:
     return None
 
 
+def _fp8(name):
+    """An FP8 setting of the line: only where ``--fp8-format`` turns FP8 on (Megatron's defaults for the
+    others are not a recipe's FP8 when FP8 is off)."""
+    return lambda a: getattr(a, name, None) if getattr(a, "fp8", None) else None
+
+
+# megatron-core 0.16.1's MambaMixer defaults; no Megatron-LM flag sets them (a spec's params could)
+MAMBA_CHUNK_SIZE, MAMBA_CONV_KERNEL = 128, 4
+
+
 def _pattern_flags(v):
     return ["--hybrid-override-pattern", v, "--num-layers", str(len(v))]
 
@@ -139,10 +162,7 @@ TABLE = (
     Flag("model.attention_dropout", "--attention-dropout", _attr("attention_dropout")),
     Flag("model.params_dtype", None, _dtype,
          lambda v: {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(v, [])),
-    Flag("model.spec", "--spec", _spec,
-         lambda v: ["--transformer-impl", "local", "--spec", "megatron_bitdet.megatron_lm.specs",
-                    "local_mamba_stack_spec"] if v == "local" else
-         ["--spec", "megatron_bitdet.megatron_lm.specs", "te_mamba_stack_spec"]),
+    Flag("model.spec", "--spec", _spec, lambda v: _spec_flags(v)),
     Flag("model.attention_backend", "--attention-backend", _attention_backend),
     Flag("model.mtp_num_layers", "--mtp-num-layers", _attr("mtp_num_layers", 0),
          lambda v: ["--mtp-num-layers", str(v)] if v else []),
@@ -150,6 +170,14 @@ TABLE = (
     Flag("model.fp4.recipe", "--fp4-recipe", _fp4_recipe,
          lambda v: [] if v == "none" else ["--fp4-format", "e2m1", "--fp4-recipe", v]),
     Flag("model.fp4.format", "--fp4-format", _attr("fp4"), lambda v: []),  # rendered with the recipe
+    Flag("model.fp8.recipe", "--fp8-recipe", lambda a: a.fp8_recipe if getattr(a, "fp8", None) else "none",
+         lambda v: [] if v == "none" else ["--fp8-recipe", v]),
+    Flag("model.fp8.format", "--fp8-format", _attr("fp8")),
+    Flag("model.fp8.amax_history_len", "--fp8-amax-history-len", _fp8("fp8_amax_history_len")),
+    Flag("model.fp8.amax_compute_algo", "--fp8-amax-compute-algo", _fp8("fp8_amax_compute_algo")),
+    Flag("model.fp8.margin", "--fp8-margin", _fp8("fp8_margin")),
+    Flag("model.mamba.chunk_size", None, lambda a: MAMBA_CHUNK_SIZE, lambda v: []),
+    Flag("model.mamba.conv_kernel", None, lambda a: MAMBA_CONV_KERNEL, lambda v: []),
     Flag("model.mamba.num_heads", "--mamba-num-heads", _attr("mamba_num_heads")),
     Flag("model.mamba.head_dim", "--mamba-head-dim", _attr("mamba_head_dim")),
     Flag("model.mamba.state_dim", "--mamba-state-dim", _attr("mamba_state_dim")),
@@ -286,11 +314,12 @@ def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str 
 def render_flags(recipe) -> list[str]:
     """Megatron-LM flags for a recipe's model / parallel / training sections."""
     data = recipe.to_dict()
-    out: list[str] = []
-    dense = not recipe.model.moe.num_experts
+    out: list[str] = ["--untie-embeddings-and-output-weights"]  # bitdet's models are untied; Megatron ties by default
+    off = [k for k, unused in (("model.moe.", not recipe.model.moe.num_experts),
+                               ("model.fp8.", recipe.model.fp8.recipe == "none")) if unused]
     for row in TABLE:
         value = _get(data, row.key)
-        if value is None or (dense and row.key.startswith("model.moe.")):
+        if value is None or any(row.key.startswith(k) for k in off):
             continue
         if row.put is not None:
             out += row.put(value)

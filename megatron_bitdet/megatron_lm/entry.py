@@ -23,14 +23,21 @@ USAGE = "python -m megatron_bitdet.megatron_lm [--check] SCRIPT.py [--determinis
 
 
 def load_base_recipe(opts):
-    """The ``--recipe`` (with ``--bitdet-override``s), or None: default determinism settings."""
+    """The ``--recipe`` (with ``--bitdet-override``s), or None: default determinism settings. A recipe
+    that asks for determinism (``determinism.mode: true``) on a line without ``--deterministic-mode`` is
+    refused: the launch would enforce nothing while ``--check`` judged the line as deterministic."""
     if not opts.recipe:
         if opts.bitdet_override:
             raise BitdetInputError("--bitdet-override needs --recipe")
         return None
     from megatron_bitdet.recipe import load_recipe
 
-    return load_recipe(opts.recipe, opts.bitdet_override)
+    base = load_recipe(opts.recipe, opts.bitdet_override)
+    if base.determinism.mode and not opts.deterministic_mode:
+        raise BitdetInputError(f"--recipe {opts.recipe} asks for determinism (determinism.mode: true) but the line has "
+                               f"no --deterministic-mode, so the launch would enforce nothing: add --deterministic-mode "
+                               f"(or set determinism.mode: false in the recipe)")
+    return base
 
 
 class DefaultDeterminism:
@@ -86,14 +93,16 @@ def run_as_main(script: str) -> None:
                 "__package__": None, "__spec__": None, "__loader__": None, "__cached__": None})
 
 
-def run(script: str, rest: list[str], *, check: bool = False) -> int:
-    """Everything in this process; returns the exit code (the script's SystemExit code included)."""
+def run(script: str, rest: list[str], *, check: bool = False, world_size: int | None = None,
+        preflight: bool = False) -> int:
+    """Everything in this process; returns the exit code (the script's SystemExit code included).
+    ``world_size``: a ``--check``'s world (the launch's ``--nproc``), where the environment does not say it.
+    ``preflight``: judge the line as its ranks will, before they start (``hooks.preflight``)."""
     from megatron_bitdet.megatron_lm import hooks
 
     opts = preparse(rest)
     base = load_base_recipe(opts)
-    mode = bool(opts.deterministic_mode or (base is not None and base.determinism.mode and check))
-    if mode and not check:  # under torchrun: re-executes this rank if its str hashing is not the canonical one
+    if opts.deterministic_mode and not (check or preflight):  # under torchrun: re-executes this rank if its str hashing is not the canonical one
         from megatron_bitdet.train.launch import adopt_env
 
         adopt_env(canonical_env(base))
@@ -105,7 +114,8 @@ def run(script: str, rest: list[str], *, check: bool = False) -> int:
         from megatron_bitdet.compat.cpu_backend import training as training_seams
 
         training_seams.install()
-    session = hooks.Session(script=script, argv=[script, *rest], base=base, opts=opts, check=check)
+    session = hooks.Session(script=script, argv=[script, *rest], base=base, opts=opts, check=check,
+                            world_size=world_size, preflight=preflight)
     hooks.install(session)
     sys.argv = [script, *rest]
     try:
@@ -120,10 +130,10 @@ def run(script: str, rest: list[str], *, check: bool = False) -> int:
     return 0
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str], *, world_size: int | None = None) -> int:
     try:
         check, script, rest = split_argv(argv)
-        return run(script, rest, check=check)
+        return run(script, rest, check=check, world_size=world_size)
     except BitdetError as exc:
         print(f"bitdet megatron-lm: error: {exc}", file=sys.stderr, flush=True)
         return exc.exit_code

@@ -61,6 +61,8 @@ class Session:
     tracer: object = None                # this rank's Tracer (--trace), made at the first step
     traced: object = None                # the tracer while a step inside its window runs, else None
     built: dict | None = None            # the built-model audit (rule id -> what runs), after the build
+    world_size: int | None = None        # a --check's world (the launch's --nproc; None: the environment's)
+    preflight: bool = False              # judge as the ranks will, before any starts (bitdet megatron-lm --nproc)
 
     @property
     def trace(self):
@@ -141,6 +143,7 @@ def judge(session, args):
     from megatron_bitdet.enforce.audit import audit_spec, by_rule, recipe_keys
     from megatron_bitdet.enforce.megatron import MEGATRON_LM_ASSERTS
     from megatron_bitdet.enforce.rules import RULES_BY_ID
+    from megatron_bitdet.megatron_lm.fixes import in_flags
 
     spec = launch_spec(args)
     recipe = derive_recipe(session, args, recipe_keys(spec) if spec is not None else None)
@@ -148,11 +151,12 @@ def judge(session, args):
         return recipe, None
     # deterministic mode routes Mamba mixers to the split path (megatron_overrides)
     settings, outcome, violations, warnings = plan(
-        recipe, late=not session.check, runs=by_rule(audit_spec(spec, mem_eff_path=False)) if spec is not None else None)
+        recipe, late=not (session.check or session.preflight), runs=by_rule(audit_spec(spec, mem_eff_path=False)) if spec is not None else None)
     violations += [Violation(o["id"], f"{o['message']}, opted out at {o['where']}; but Megatron-LM's validate_args "
                                       f"asserts it off in deterministic mode ({MEGATRON_LM_ASSERTS[o['id']]!r})",
                              RULES_BY_ID[o["id"]].why, RULES_BY_ID[o["id"]].fix)
                    for o in outcome.opt_outs if o["id"] in MEGATRON_LM_ASSERTS]
+    violations = in_flags(violations, recipe_given=session.base is not None)
     return recipe, (settings, outcome, violations, warnings)
 
 
@@ -187,22 +191,48 @@ def _print_judgement(recipe, outcome, violations) -> None:
               f"{len(outcome.swaps)} swapped", file=out)
 
 
-def check_launch(session, extra_args_provider) -> int:
-    """``--check``: parse the launch line with the script's parser, judge it, exit 2 on any violation."""
+def machine_rows(session, recipe, config):
+    """What this machine cannot run of the line (``machine.missing``), on the flags as the model config gets them."""
+    from megatron_bitdet.megatron_lm.machine import missing
+
+    return missing(config, launch_spec(config), os.path.basename(session.script), recipe.model.hybrid_pattern)
+
+
+def parsed(extra_args_provider):
+    """The launch line parsed by the script's parser (bitdet's options chained in)."""
     from megatron.training.arguments import parse_args
 
-    args = parse_args(_chain(extra_args_provider), ignore_unknown_args=False)
-    session.opts.run_dir = args.run_dir
-    recipe, judged = judge(session, args)
-    _, outcome, violations, _ = judged
-    if violations:
-        config = args
-    else:  # the flags as on_validate will leave them for the model config
-        from megatron_bitdet.enforce import megatron_overrides
+    return parse_args(_chain(extra_args_provider), ignore_unknown_args=False)
 
-        config = argparse.Namespace(**{**vars(args), **megatron_overrides(recipe)})
+
+def judge_line(session, args, defaults=None):
+    """The parsed ``args`` validated as Megatron does (a copy) and judged: (validated args, recipe, judged,
+    config, rows); ``config``: the flags as on_validate leaves them for the model config; ``rows``: what
+    this machine cannot run of it."""
+    from megatron_bitdet.enforce import megatron_overrides
+    from megatron_bitdet.megatron_lm.validate import validated
+
+    args = validated(args, _ORIGINALS["validate_args"], defaults, world_size=session.world_size)
+    recipe, judged = judge(session, args)
+    overrides = megatron_overrides(recipe) if judged is not None and not judged[2] else {}
+    config = argparse.Namespace(**{**vars(args), **overrides})
+    return args, recipe, judged, config, machine_rows(session, recipe, config)
+
+
+def check_launch(session, extra_args_provider, defaults=None) -> int:
+    """``--check``: parse the launch line with the script's parser, validate it as Megatron does, judge it.
+    Exit 2 on any determinism violation; else 3 when only this machine cannot run it (its own section:
+    a production line judged on a laptop); 0 when clean and runnable here. The manifest is written
+    (``--run-dir``) whenever the rules pass."""
+    from megatron_bitdet.megatron_lm.machine import section
+
+    args, recipe, judged, config, rows = judge_line(session, parsed(extra_args_provider), defaults)
+    session.opts.run_dir = args.run_dir
+    _, outcome, violations, _ = judged
     swap_spec(recipe, args, outcome, in_place=False, config=config)
     _print_judgement(recipe, outcome, violations)
+    if rows:
+        print(section(rows), file=sys.stdout)
     if not violations and args.run_dir:
         from megatron_bitdet.enforce import Enforcement, write_manifest
 
@@ -212,7 +242,21 @@ def check_launch(session, extra_args_provider) -> int:
         enforcement = Enforcement(mode=True, env=judged[0], rules=outcome, threads=torch.get_num_threads(),
                                   warnings=judged[3])
         write_manifest(session.run_dir, _manifest(session, enforcement, args, check=True))
-    return 2 if violations else 0
+    return 2 if violations else 3 if rows else 0
+
+
+def preflight(session, extra_args_provider, defaults=None) -> int:
+    """Before any rank starts: the line as its ranks will judge it (the determinism violations with
+    ``--deterministic-mode``, and what this machine cannot run), every problem at once in one
+    BitdetInputError (exit 2); nothing is written. 0: the ranks may start."""
+    from megatron_bitdet.megatron_lm.machine import section
+
+    _, _, judged, _, rows = judge_line(session, parsed(extra_args_provider), defaults)
+    violations = judged[2] if judged is not None else []
+    problems = ([str(DeterminismViolation(violations))] if violations else []) + ([section(rows)] if rows else [])
+    if problems:
+        raise BitdetInputError("no rank started:\n" + "\n".join(problems))
+    return 0
 
 
 def _manifest(session, enforcement, args, *, check: bool = False) -> dict:
@@ -228,22 +272,26 @@ def _manifest(session, enforcement, args, *, check: bool = False) -> dict:
     )
 
 
-def on_validate(session, args) -> None:
-    """Judge and enforce on the parsed args, install the swaps, write the manifest (rank 0)."""
+def on_validate(session, args, defaults=None) -> None:
+    """Judge and enforce on a copy of the args as Megatron validates them, install the swaps, make the
+    manifest (written once Megatron's own validate_args accepted the real args)."""
     from megatron_bitdet.compat import patching
     from megatron_bitdet.enforce import Enforcement, enable, megatron_overrides
+    from megatron_bitdet.megatron_lm.machine import section
 
     session.rank = args.rank
-    recipe, judged = judge(session, args)
+    _, recipe, judged, _, rows = judge_line(session, args, defaults)
     session.recipe = recipe
+    if judged is not None and judged[2]:
+        raise DeterminismViolation(judged[2])
+    if rows:
+        raise BitdetInputError(section(rows))
     if judged is None:
         import torch
 
         enforcement = Enforcement(mode=False, threads=torch.get_num_threads(),
                                   warnings=["--deterministic-mode not given: nothing enforced"])
     else:
-        if judged[2]:
-            raise DeterminismViolation(judged[2])
         enforcement = enable(recipe, rank=args.rank, world_size=args.world_size)
         for name, value in megatron_overrides(recipe).items():
             setattr(args, name, value)  # core_transformer_config_from_args copies every config field args has
@@ -254,10 +302,6 @@ def on_validate(session, args) -> None:
     if judged is not None:
         swap_spec(recipe, args, enforcement.rules, in_place=True, config=args)
     session.manifest = _manifest(session, enforcement, args)
-    if args.rank == 0:
-        from megatron_bitdet.enforce import write_manifest
-
-        write_manifest(session.run_dir, session.manifest)
 
 
 def audit_built(session, model) -> None:
@@ -419,16 +463,23 @@ def install(session: Session) -> None:
 
     @functools.wraps(original_pretrain)
     def pretrain(*a, extra_args_provider=None, **kw):
+        if session.preflight:
+            raise CheckDone(preflight(session, extra_args_provider, kw.get("args_defaults")))
         if session.check:
-            raise CheckDone(check_launch(session, extra_args_provider))
+            raise CheckDone(check_launch(session, extra_args_provider, kw.get("args_defaults")))
         return original_pretrain(*a, extra_args_provider=_chain(extra_args_provider), **kw)
 
     original_validate = _ORIGINALS["validate_args"]
 
     @functools.wraps(original_validate)
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
-        on_validate(session, args)
-        return original_validate(args, defaults)
+        on_validate(session, args, defaults)
+        result = original_validate(args, defaults)
+        if args.rank == 0:  # after Megatron's own asserts: a manifest exists only for a line Megatron accepted
+            from megatron_bitdet.enforce import write_manifest
+
+            write_manifest(session.run_dir, session.manifest)
+        return result
 
     original_iterators = _ORIGINALS["iterators"]
 

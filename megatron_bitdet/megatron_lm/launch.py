@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from megatron_bitdet.errors import BitdetError
 
@@ -11,10 +12,32 @@ _OUTPUT_FLAGS = ("--run-dir", "--snapshot-at", "--snapshot-full", "--trace", "--
                  "--exit-interval", "--tensorboard-dir", "--wandb-project", "--wandb-save-dir")
 
 
+def preflight(script: str, megatron_args: list, *, nproc: int) -> None:
+    """The line judged in this process as its ranks will judge it, before any starts: BitdetInputError
+    (exit 2) listing every determinism violation (with ``--deterministic-mode``) and every flag this
+    machine cannot run. Megatron's own output while parsing is not shown. Under torchrun the ranks
+    already exist and judge themselves."""
+    import contextlib
+    import io
+
+    from megatron_bitdet.megatron_lm import entry
+    from megatron_bitdet.train.launch import under_torchrun
+
+    if under_torchrun():
+        return
+    argv = sys.argv
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            entry.run(script, rerun_args(megatron_args, drop=("--run-dir",)), world_size=nproc, preflight=True)
+    finally:
+        sys.argv = argv
+
+
 def launch_line(script: str, megatron_args: list, *, nproc: int, run_dir=None) -> int:
     """Run ``script`` on ``nproc`` ranks; the canonical env is in each rank's environment from its
-    first instruction (with ``--deterministic-mode``). Bad bitdet options (tracing flags included)
-    exit 2 before any rank starts. Returns the exit code."""
+    first instruction (with ``--deterministic-mode``). Bad bitdet options (tracing flags included),
+    determinism violations and flags this machine cannot run exit 2 before any rank starts
+    (``preflight``). Returns the exit code."""
     from megatron_bitdet.megatron_lm import entry
     from megatron_bitdet.megatron_lm.options import DEFAULT_RUN_DIR, preparse
     from megatron_bitdet.trace.options import trace_settings
@@ -25,8 +48,10 @@ def launch_line(script: str, megatron_args: list, *, nproc: int, run_dir=None) -
     opts = preparse(argv)
     trace_settings(opts)
     env = {"PYTHONUNBUFFERED": "1"}
+    base = entry.load_base_recipe(opts)
     if opts.deterministic_mode:
-        env.update(entry.canonical_env(entry.load_base_recipe(opts)))
+        env.update(entry.canonical_env(base))
+    preflight(script, argv, nproc=nproc)
     return launch("megatron_bitdet.megatron_lm.entry:rank_worker", nproc,
                   {"script": os.path.abspath(script), "argv": argv},
                   run_dir=opts.run_dir or DEFAULT_RUN_DIR, env=env, console_rank=-1)
@@ -38,12 +63,14 @@ def launch_or_fail(script: str, megatron_args: list, *, nproc: int, run_dir, wha
         raise BitdetError(f"{what} failed (exit code {rc}); logs: {os.path.join(str(run_dir), 'logs')}")
 
 
-def rerun_args(megatron_args: list, *, stop_at: int | None = None, trace=None) -> list[str]:
+def rerun_args(megatron_args: list, *, stop_at: int | None = None, trace=None,
+               drop: tuple = _OUTPUT_FLAGS) -> list[str]:
     """A finished run's launch line for a re-run into another directory (the localize ladder): the
     original's output flags (run directory, checkpoints, TensorBoard, snapshots, tracing) dropped,
     Megatron's ``--exit-interval`` stopping it after iteration ``stop_at``, and ``trace`` (a TraceConfig)
     as tracing flags. The model, data and schedule flags stay as they were (``--train-iters`` too: the
-    learning-rate schedule depends on it)."""
+    learning-rate schedule depends on it). ``drop``: the flags taken out with their values (default: the
+    output flags)."""
     from megatron_bitdet.trace.options import trace_flags
 
     out, skip = [], False
@@ -52,7 +79,7 @@ def rerun_args(megatron_args: list, *, stop_at: int | None = None, trace=None) -
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name in _OUTPUT_FLAGS:
+        if name in drop:
             skip = "=" not in arg
             continue
         out.append(arg)

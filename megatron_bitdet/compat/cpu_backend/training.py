@@ -138,6 +138,21 @@ def no_jit_warmup():
     initialize._warmup_jit_function = lambda: None
 
 
+def device_arch():
+    """``validate_args`` reads the GPU's architecture (``torch.cuda.get_device_properties``) whenever TP or
+    CP is above 1: "Torch not compiled with CUDA enabled". A CPU has no GPU architecture: 0, Megatron's
+    pre-Blackwell branch (it then asks for ``CUDA_DEVICE_MAX_CONNECTIONS=1``, as on a Hopper)."""
+    from megatron.training import utils
+
+    original = utils.get_device_arch_version
+
+    def get_device_arch_version():
+        return 0
+
+    get_device_arch_version.__wrapped__ = original
+    rebind({original: get_device_arch_version}, _modules())
+
+
 def training_device_literals():
     """``.cuda()`` calls, ``device='cuda'`` literals and CUDA generator calls in Megatron-LM's loop,
     data, checkpointing and logging functions."""
@@ -162,4 +177,4 @@ def training_device_literals():
 
 
 SEAMS = [batch_invariant_kernels, allow_no_cuda, model_parallel_groups, tensor_parallel_seed, prebuilt_helpers,
-         no_jit_warmup, training_device_literals]
+         no_jit_warmup, device_arch, training_device_literals]

@@ -1,0 +1,128 @@
+"""What this machine cannot run: every flag or Megatron default of a launch line that needs an extension
+(or a CUDA device) absent here, each with the flag that turns it off or the package that provides it.
+
+Judged on Megatron's *validated* args (``validate_args`` has derived its defaults: RoPE fusion off where it
+turns it off, CUDA graphs resolved to ``cuda_graph_impl``), before any rank starts: a launch line that would
+die inside the ranks, one traceback per try, is refused once, listing every flag to add or drop. This is
+apart from the determinism violations: a flag can be both (then each section names it).
+
+Without Transformer Engine every module megatron-core builds takes its local path, so the local path's
+Apex kernels are judged whatever the spec (the TE spec's own row says to switch to the local one).
+"""
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from dataclasses import dataclass
+
+LOCAL_MAMBA_SPEC = "--spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec"
+TE_MAMBA_SPEC = "--spec megatron_bitdet.megatron_lm.specs te_mamba_stack_spec"
+
+
+@dataclass(frozen=True)
+class Missing:
+    what: str    # the flag or default that asks for it
+    needs: str   # what is absent here
+    fix: str     # the flag to add / drop, or the package to install
+
+    def __str__(self) -> str:
+        return f"{self.what}: needs {self.needs}; fix: {self.fix}"
+
+
+def _imports(name: str) -> bool:
+    try:
+        importlib.import_module(name)
+    except Exception:  # CUDA extensions raise OSError / RuntimeError, not only ImportError, without a GPU
+        return False
+    return True
+
+
+def _have(name: str) -> bool:
+    return importlib.util.find_spec(name) is not None and _imports(name)
+
+
+def te_here() -> bool:
+    """Transformer Engine imports here (its PyTorch part: without CUDA it raises, not only ImportError)."""
+    return _imports("transformer_engine") and _imports("transformer_engine.pytorch")
+
+
+def _cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def _spec_family(spec) -> str | None:
+    """'te' / 'local' for a ``--spec`` object (None: no --spec), as the audit reads it off the spec."""
+    if spec is None:
+        return None
+    from megatron_bitdet.enforce.audit import recipe_keys
+
+    return recipe_keys(spec).get("model.spec")
+
+
+def missing(a, spec, script: str, pattern: str) -> list[Missing]:
+    """Every row for the validated args ``a`` (the flags as the model config will get them), the ``--spec``
+    object (None without), the script's file name and the layer pattern (``M*-E`` symbols)."""
+    te, cuda, out = te_here(), _cuda(), []
+    get = lambda name, default=None: getattr(a, name, default)  # noqa: E731
+    mamba = script == "pretrain_mamba.py"
+    family = _spec_family(spec)
+    if mamba and spec is None and get("transformer_impl") != "inference_optimized":
+        out.append(Missing("pretrain_mamba.py without --spec", "a layer spec (Megatron-LM builds no default Mamba "
+                           "stack: 'You must provide a valid Mamba layer spec via --spec')",
+                           f"add {TE_MAMBA_SPEC}" if te else
+                           f"add {LOCAL_MAMBA_SPEC} --transformer-impl local (Transformer Engine is absent here)"))
+    if not te:
+        if family == "te":
+            out.append(Missing(f"--spec {' '.join(get('spec'))}", "Transformer Engine (the spec builds TE modules)",
+                               f"use {LOCAL_MAMBA_SPEC} --transformer-impl local" if mamba else
+                               "a spec of megatron-core's local modules, or install transformer_engine"))
+        if get("transformer_impl") == "transformer_engine":
+            out.append(Missing("--transformer-impl transformer_engine (Megatron's default)", "Transformer Engine",
+                               "add --transformer-impl local"))
+        if get("position_embedding_type") in ("rope", "yarn", "mrope") and get("apply_rope_fusion"):
+            out.append(Missing("RoPE fusion (on by default with rope)", "Transformer Engine's fused RoPE",
+                               "add --no-rope-fusion"))
+        if get("fp8"):
+            out.append(Missing(f"--fp8-format {a.fp8}", "Transformer Engine on an FP8 GPU (megatron-core's FP8 "
+                               "is TE's)", "drop --fp8-format (and --fp8-recipe); bitdet's emulated FP8 runs under "
+                               "`bitdet train` (model.fp8.implementation: emulated)"))
+        for flag in ("moe_permute_fusion", "moe_router_fusion", "tp_comm_overlap", "te_rng_tracker"):
+            if get(flag):
+                out.append(Missing(f"--{flag.replace('_', '-')}", "Transformer Engine",
+                                   f"drop --{flag.replace('_', '-')}"))
+        layers = importlib.import_module("megatron.core.tensor_parallel.layers")
+        if get("gradient_accumulation_fusion") and not layers._grad_accum_fusion_available:
+            out.append(Missing("gradient-accumulation fusion (on by default)", "Apex's fused_weight_gradient_mlp_cuda",
+                               "add --no-gradient-accumulation-fusion (or install Apex with its CUDA extensions)"))
+        if "*" in pattern and get("masked_softmax_fusion") and (get("bf16") or get("fp16")) \
+                and not _have("scaled_masked_softmax_cuda"):
+            out.append(Missing("masked-softmax fusion (on by default) with --bf16/--fp16",
+                               "Megatron's scaled_masked_softmax_cuda", "add --no-masked-softmax-fusion"))
+        if not get("no_persist_layer_norm") and not mamba and spec is None and not _have("apex"):
+            out.append(Missing("persistent layer norm (on by default)", "Apex (megatron-core's local spec falls "
+                               "back to WrappedTorchNorm, which refuses it)", "add --no-persist-layer-norm"))
+    if get("use_flash_attn") or getattr(get("attention_backend"), "name", None) == "flash":
+        if not _have("flash_attn"):
+            out.append(Missing("--use-flash-attn / --attention-backend flash", "flash-attn",
+                               "drop it (or install flash-attn on a GPU)"))
+    if get("moe_token_dispatcher_type") == "flex" and not (cuda and (_have("deep_ep") or _have("hybrid_ep"))):
+        out.append(Missing("--moe-token-dispatcher-type flex", "DeepEP / HybridEP on a GPU",
+                           "use --moe-token-dispatcher-type alltoall"))
+    if not cuda:
+        if get("batch_invariant_mode"):
+            out.append(Missing("--batch-invariant-mode", "megatron-core's Triton kernels on a GPU",
+                               "drop --batch-invariant-mode"))
+        if get("cuda_graph_impl", "none") != "none":
+            out.append(Missing(f"CUDA graphs (--cuda-graph-impl {a.cuda_graph_impl})", "a CUDA device",
+                               "drop --cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"))
+        if get("moe_grouped_gemm"):
+            out.append(Missing("--moe-grouped-gemm (not swapped)", "a CUDA device (validate_args reads its "
+                               "compute capability) and Transformer Engine", "drop --moe-grouped-gemm"))
+    return out
+
+
+def section(rows: list[Missing]) -> str:
+    """The ``--check`` section (and the pre-launch refusal) listing every row."""
+    return "will not run on this machine:\n" + "\n".join(f"  {row}" for row in rows)

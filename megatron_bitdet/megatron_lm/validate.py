@@ -1,0 +1,42 @@
+"""Megatron-LM's own ``validate_args`` on a copy of the parsed args, so bitdet judges and records what
+Megatron will build: the defaults it derives (``moe_ffn_hidden_size`` from ``ffn_hidden_size``,
+``ffn_hidden_size`` with ``--swiglu``, sequence parallelism off at TP 1, ``num_experts`` 0 -> None, ...).
+
+The copy is validated with the flags bitdet judges itself switched off (``deterministic_mode``: Megatron's
+one-at-a-time determinism asserts would hide the full list bitdet gives, and it would switch torch's
+deterministic algorithms on in a ``--check``; the flags of ``MEGATRON_FLAG_RULES``: Megatron asserts on them
+one at a time too -- ``--tp-comm-overlap`` without sequence parallelism -- and reads the CUDA device's
+compute capability for ``--moe-grouped-gemm``), then those flags are put back as given. The real args are
+validated by Megatron afterwards, as always. Megatron's refusal of the line is bad input (exit 2), never a
+traceback inside a rank.
+"""
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import warnings
+
+from megatron_bitdet.enforce.megatron import MEGATRON_FLAG_RULES
+from megatron_bitdet.errors import BitdetInputError
+
+NEUTRAL = {"deterministic_mode": False, **{flag: False for flag in MEGATRON_FLAG_RULES}}
+
+
+def validated(args, validate_args, defaults=None, *, world_size: int | None = None):
+    """A validated copy of ``args`` (``validate_args``: Megatron's original, unwrapped). ``world_size``:
+    the launch's (``--nproc``), where the environment does not say it (a ``--check``)."""
+    probe = copy.deepcopy(args)
+    if world_size is not None:
+        probe.world_size = world_size
+    given = {name: getattr(args, name, None) for name in NEUTRAL}
+    vars(probe).update(NEUTRAL)
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            validate_args(probe, defaults or {})
+        except (AssertionError, ValueError, RuntimeError, TypeError) as exc:
+            raise BitdetInputError(f"Megatron-LM's validate_args refuses this launch line: "
+                                   f"{exc or type(exc).__name__}") from None
+    vars(probe).update(given)
+    return probe
