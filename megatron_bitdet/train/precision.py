@@ -127,12 +127,12 @@ def fault_drop_fp8_scaling(ddp_modules) -> None:
 def fp4_state(ddp_modules, walked=None) -> dict[str, dict[str, torch.Tensor]]:
     """The emulated NVFP4 linears' run state by snapshot component: ``fp4_sr_rng`` (generator states),
     ``fp4_hadamard_signs``, ``fp4_block_scales`` (block and per-tensor scales of the weights' encodings)
-    and ``fp4_values`` (their packed E2M1 bytes, as ``float4_e2m1fn_x2``); empty components left out."""
+    and ``fp4_values`` (their packed E2M1 bytes as uint8: a differing element is then shown as a byte);
+    empty components left out."""
     fp4 = emulated_fp4_modules(_walk(ddp_modules) if walked is None else walked)
-    values, scales = fp4_encodings(fp4)
     out = {"fp4_sr_rng": {n: m.fp4_sr_generator.get_state() for n, m in fp4 if hasattr(m, "fp4_sr_generator")},
            "fp4_hadamard_signs": {n: m.fp4_hadamard_signs for n, m in fp4 if hasattr(m, "fp4_hadamard_signs")},
-           "fp4_block_scales": dict(scales), "fp4_values": dict(values)}
+           "fp4_block_scales": dict(fp4_encodings(fp4)[1]), "fp4_values": {n: m.fp4_weight_values for n, m in fp4}}
     return {k: v for k, v in out.items() if v}
 
 
