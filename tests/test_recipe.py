@@ -182,3 +182,11 @@ def test_non_utf8_or_unprintable_recipe_exits_2_naming_file_and_line(tmp_path, c
     err = capsys.readouterr().err
     assert f"{bad}:{line}: " in err and "Traceback" not in err
     assert not (tmp_path / "run").exists()
+
+
+def test_fp4_and_fp8_together_are_refused_naming_the_fp4_key():
+    """A linear computes in one low-precision format (megatron-core refuses fp4 with fp8 too)."""
+    path = os.path.join(ROOT, "recipes", "nemotron_h_tiny_fp4.yaml")
+    assert load_recipe(path).model.fp4.recipe == "nvfp4"
+    lines = _errors(path, ["model.fp8.recipe=delayed"])
+    assert len(lines) == 1 and "model.fp4.recipe" in lines[0] and "model.fp8.recipe: delayed" in lines[0]
