@@ -190,7 +190,9 @@ class Job:
             h = xxhash.xxh3_64()
             for t, first, n in zip(self.tensors, self.layout.first_row, self.layout.nbytes):
                 lo, hi = max(a - first, 0) * ROW_BYTES, min(max(b - first, 0) * ROW_BYTES, n)
-                if lo < hi:
+                if lo == 0 and hi == n:
+                    h.update(_bytes(t).numpy())
+                elif lo < hi:
                     h.update(memoryview(_bytes(t).numpy())[lo:hi])
             lo, hi = self.layout.byte_of_row(a), self.layout.byte_of_row(b)
             if hi > lo:

@@ -131,8 +131,8 @@ class StepDigests:
         self.model = list(ddp_modules)
         self.pending = Pending()
         self._regions: list[Region] | None = None
-        self._modules: list | None = None
-        self._signature = None
+        self._dicts: list | None = None     # every module's __dict__, _buffers and _modules: their sizes
+        self._signature = None              # summed are the structure count
         self._sources = None
         self._seq = 0
         self._small: dict[str, str] = {}
@@ -169,12 +169,12 @@ class StepDigests:
         from megatron_bitdet.train.precision import fp4_encodings, fp8_scaling_state
 
         chunks = [m.module for m in self.model]
-        if self._modules is None:
-            self._modules = [m for c in chunks for m in c.modules()]
-        signature = sum(len(m.__dict__) + len(m._buffers) + len(m._modules) for m in self._modules)
+        if self._dicts is None:
+            self._dicts = [d for c in chunks for m in c.modules() for d in (m.__dict__, m._buffers, m._modules)]
+        signature = sum(map(len, self._dicts))  # at C speed: no Python loop over the modules
         if signature != self._signature:
             walked = walk(chunks)
-            self._modules = [m for _, _, m in walked]
+            self._dicts = [d for _, _, m in walked for d in (m.__dict__, m._buffers, m._modules)]
             fp8 = emulated_fp8_modules(walked)
             held = [t for t in walked if fp8_scaling_state(None, [t])]
             self._sources = (module_buffer_sources(walked), generator_sources(walked), fp8, held,
