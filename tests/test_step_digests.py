@@ -6,17 +6,15 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 
+import host_sync_recorder
 from conftest import RECIPE, REPO
 from megatron_bitdet.cli import main as bitdet
 
 TESTS = Path(__file__).resolve().parent
-sys.path.insert(0, str(TESTS))
-import host_sync_recorder  # noqa: E402
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 SCALAR_READS = {"aten._local_scalar_dense", "Tensor.item"}

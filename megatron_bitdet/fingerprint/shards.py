@@ -51,7 +51,7 @@ from dataclasses import dataclass
 import torch
 import xxhash
 
-from megatron_bitdet.fingerprint.tensor import _GOLDEN, _MASK64, _MIX1, _MIX2, _keys, _mix_, _s64
+from megatron_bitdet.fingerprint.tensor import _GOLDEN, _MASK64, _MIX1, _MIX2, _keys, _mix_
 
 ALGO = "pos64r"
 HOST_ALGO = "xxh3_64"
@@ -60,8 +60,8 @@ ROW_WORDS = 512
 ROW_BYTES = ROW_WORDS * 8
 CHECK_CHUNKS = 4
 _C3 = 0xD6E8FEB86659FD93
-_BLOCK_WORDS = {"cpu": 1 << 19}       # rows per block: 4 MiB of int64 (cache-sized) on CPU
-_DEVICE_BLOCK_WORDS = 1 << 25         # 256 MiB of int64 temporaries elsewhere
+_BLOCK_WORDS = {"cpu": 1 << 19}       # words read per block: 4 MiB of int64 (cache-sized) on CPU
+_DEVICE_BLOCK_WORDS = 1 << 24         # elsewhere: two 128 MiB int64 temporaries, few launches
 _ROW_KEYS: dict[str, torch.Tensor] = {}
 _ZEROS: dict[str, torch.Tensor] = {}
 

@@ -9,7 +9,8 @@ One JSON line per step per rank under ``RUN_DIR/fingerprints/rank_XXXXX.jsonl`` 
                 {"kind": "params", "buf": "0.dense.0", "group": "1f2e3d4c", "index": 0, "of": 2,
                  "check_of": 1, "parts": [[409600, 458752, "<hex>"]]}, ...]}
 
-v2 (``fingerprint.shards``): the digests are computed on the state's device; a DDP buffer replicated
+v2 (``fingerprint.shards``): the digests are computed on the state's device (``pos64r``; CPU tensors
+take the host fast path, ``xxh3_64``); a DDP buffer replicated
 over ``of`` ranks is digested in slices, ``digests[kind]`` folding this rank's own chunks, ``slices``
 saying which bytes each chunk covers and which chunk of another replica's slice this rank checked.
 v1 lines (``xxh3_128`` of every rank's whole buffers, no ``slices``) still read; their digests are
