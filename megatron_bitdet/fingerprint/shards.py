@@ -61,7 +61,7 @@ ROW_BYTES = ROW_WORDS * 8
 CHECK_CHUNKS = 4
 _C3 = 0xD6E8FEB86659FD93
 _BLOCK_WORDS = {"cpu": 1 << 19}       # words read per block: 4 MiB of int64 (cache-sized) on CPU
-_DEVICE_BLOCK_WORDS = 1 << 24         # elsewhere: two 128 MiB int64 temporaries, few launches
+_DEVICE_BLOCK_WORDS = 1 << 25         # elsewhere: two 256 MiB int64 temporaries, 4 kernels a block
 _ROW_KEYS: dict[str, torch.Tensor] = {}
 _ZEROS: dict[str, torch.Tensor] = {}
 
