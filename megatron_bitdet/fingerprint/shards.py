@@ -276,8 +276,14 @@ class Pending:
         """(job, [(first byte, end byte, hex digest) per chunk]) for every launched job (host-path jobs
         first, then per device in launch order); empty chunks left out."""
         out, self._done = self._done, []
+        by_device: dict[str, list[torch.Tensor]] = {}
+        for values, _ in self._values:
+            if values is not None:
+                by_device.setdefault(str(values.device), []).append(values)
+        read = {dev: iter(torch.cat(vs).tolist()) for dev, vs in by_device.items()}  # one transfer a device
         for values, jobs in self._values:
-            flat = [0] * sum(len(j.chunks) for j in jobs) if values is None else values.tolist()
+            n = sum(len(j.chunks) for j in jobs)
+            flat = [0] * n if values is None else [next(read[str(values.device)]) for _ in range(n)]
             at = 0
             for job in jobs:
                 parts = []
