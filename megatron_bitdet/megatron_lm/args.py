@@ -53,17 +53,21 @@ def _spec(a):
     return "local" if getattr(a, "transformer_impl", "transformer_engine") == "local" else "te"
 
 
-def _spec_flags(family: str) -> list[str]:
-    """bitdet's spec of the family (auto: TE where it imports, else local); without TE the local path's
-    fused kernels megatron-core turns on by default are Apex / TE kernels absent here (``machine``)."""
+def _spec_flags(family: str, mamba) -> list[str]:
+    """bitdet's spec of the family (auto: TE where it imports, else local), sized to the recipe's Mamba mixer
+    where it is not megatron-core's default (``specs``); without TE the local path's fused kernels
+    megatron-core turns on by default are Apex / TE kernels absent here (``machine``)."""
     from megatron_bitdet.megatron_lm.machine import te_here
 
     te = te_here()
-    if family == "te" or (family == "auto" and te):
-        return ["--spec", "megatron_bitdet.megatron_lm.specs", "te_mamba_stack_spec"]
+    name = "te" if family == "te" or (family == "auto" and te) else "local"
+    sized = (mamba.chunk_size, mamba.conv_kernel) != (MAMBA_DEFAULTS["chunk_size"], MAMBA_DEFAULTS["d_conv"])
+    spec = ["--spec", "megatron_bitdet.megatron_lm.specs",
+            f"{name}_mamba_stack_spec" + (f"_chunk{mamba.chunk_size}_conv{mamba.conv_kernel}" if sized else "")]
+    if name == "te":
+        return spec
     unfused = [] if te else ["--no-gradient-accumulation-fusion", "--no-masked-softmax-fusion", "--no-rope-fusion"]
-    return ["--transformer-impl", "local", "--spec", "megatron_bitdet.megatron_lm.specs", "local_mamba_stack_spec",
-            *unfused]
+    return ["--transformer-impl", "local", *spec, *unfused]
 
 
 def _moe_expert_impl(a):
@@ -131,8 +135,24 @@ def _fp8(name):
     return lambda a: getattr(a, name, None) if getattr(a, "fp8", None) else None
 
 
-# megatron-core 0.16.1's MambaMixer defaults; no Megatron-LM flag sets them (a spec's params could)
-MAMBA_CHUNK_SIZE, MAMBA_CONV_KERNEL = 128, 4
+# megatron-core 0.16.1's MambaMixer defaults; no Megatron-LM flag sets them (a spec's mixer params do)
+MAMBA_DEFAULTS = {"chunk_size": 128, "d_conv": 4}
+
+
+def _mixer_param(name: str):
+    """A Mamba mixer parameter as ``--spec`` builds it: the spec's mixer params, else megatron-core's default."""
+    def get(a):
+        spec = getattr(a, "spec", None)
+        params = {}
+        if spec:
+            from megatron.core.transformer.spec_utils import import_module
+
+            try:
+                params = import_module(spec).submodules.mamba_layer.submodules.mixer.params or {}
+            except Exception:  # not a Mamba stack spec, or not importable (judged where the spec is imported)
+                params = {}
+        return params.get(name, MAMBA_DEFAULTS[name])
+    return get
 
 
 def _pattern_flags(v):
@@ -162,7 +182,7 @@ TABLE = (
     Flag("model.attention_dropout", "--attention-dropout", _attr("attention_dropout")),
     Flag("model.params_dtype", None, _dtype,
          lambda v: {"bfloat16": ["--bf16"], "float16": ["--fp16"]}.get(v, [])),
-    Flag("model.spec", "--spec", _spec, lambda v: _spec_flags(v)),
+    Flag("model.spec", "--spec", _spec),  # rendered by render_flags with the Mamba mixer's sizes
     Flag("model.attention_backend", "--attention-backend", _attention_backend),
     Flag("model.mtp_num_layers", "--mtp-num-layers", _attr("mtp_num_layers", 0),
          lambda v: ["--mtp-num-layers", str(v)] if v else []),
@@ -176,8 +196,8 @@ TABLE = (
     Flag("model.fp8.amax_history_len", "--fp8-amax-history-len", _fp8("fp8_amax_history_len")),
     Flag("model.fp8.amax_compute_algo", "--fp8-amax-compute-algo", _fp8("fp8_amax_compute_algo")),
     Flag("model.fp8.margin", "--fp8-margin", _fp8("fp8_margin")),
-    Flag("model.mamba.chunk_size", None, lambda a: MAMBA_CHUNK_SIZE, lambda v: []),
-    Flag("model.mamba.conv_kernel", None, lambda a: MAMBA_CONV_KERNEL, lambda v: []),
+    Flag("model.mamba.chunk_size", "--spec", _mixer_param("chunk_size"), lambda v: []),  # rendered in the spec
+    Flag("model.mamba.conv_kernel", "--spec", _mixer_param("d_conv"), lambda v: []),
     Flag("model.mamba.num_heads", "--mamba-num-heads", _attr("mamba_num_heads")),
     Flag("model.mamba.head_dim", "--mamba-head-dim", _attr("mamba_head_dim")),
     Flag("model.mamba.state_dim", "--mamba-state-dim", _attr("mamba_state_dim")),
@@ -320,6 +340,9 @@ def render_flags(recipe) -> list[str]:
     for row in TABLE:
         value = _get(data, row.key)
         if value is None or any(row.key.startswith(k) for k in off):
+            continue
+        if row.key == "model.spec":
+            out += _spec_flags(value, recipe.model.mamba)
             continue
         if row.put is not None:
             out += row.put(value)

@@ -6,10 +6,28 @@ import sys
 
 from megatron_bitdet.errors import BitdetError
 
-# a re-run writes into its own run directory only: the original's outputs and tracing are not carried over
+# a re-run writes into its own run directory only: the original's outputs, checkpoints and tracing are not
+# carried over (a name ending in "-" is a prefix: every --wandb-* flag)
 _OUTPUT_FLAGS = ("--run-dir", "--snapshot-at", "--snapshot-full", "--trace", "--trace-steps", "--trace-ranks",
                  "--trace-hash", "--trace-capture", "--save", "--save-interval", "--persistent-save-interval",
-                 "--exit-interval", "--tensorboard-dir", "--wandb-project", "--wandb-save-dir")
+                 "--exit-interval", "--exit-duration-in-mins", "--load", "--ckpt-step", "--tensorboard-dir",
+                 "--wandb-")
+
+
+def _named(name: str, flags) -> bool:
+    return any(name == f or (f.endswith("-") and name.startswith(f)) for f in flags)
+
+
+def pasted(megatron_args: list, workflow: str) -> list[str]:
+    """A pasted production line for a workflow that sets each launch's outputs itself (verify-resume,
+    prove): its output flags (checkpoints, TensorBoard, W&B, exit interval, run directory) are dropped,
+    each with a one-line note on stderr, never refused."""
+    kept = rerun_args(megatron_args)
+    names = [a.split("=", 1)[0] for a in megatron_args if a.startswith("--")]
+    for flag in dict.fromkeys(n for n in names if _named(n, _OUTPUT_FLAGS)):
+        print(f"[bitdet] note: {workflow} drops {flag} from the line: each launch writes its own outputs "
+              f"(run directory, checkpoints) where the workflow says", file=sys.stderr, flush=True)
+    return kept
 
 
 def preflight(script: str, megatron_args: list, *, nproc: int) -> None:
@@ -79,7 +97,7 @@ def rerun_args(megatron_args: list, *, stop_at: int | None = None, trace=None,
             skip = False
             continue
         name = arg.split("=", 1)[0]
-        if name in drop:
+        if arg.startswith("--") and _named(name, drop):
             skip = "=" not in arg
             continue
         out.append(arg)

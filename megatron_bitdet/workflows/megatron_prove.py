@@ -106,10 +106,11 @@ class MegatronRuns:
 
     def __init__(self, script: str, line: list, *, nproc: int, recipe: str | None = None, skip_restore=()):
         from megatron_bitdet.megatron_lm.entry import load_base_recipe, split_argv
+        from megatron_bitdet.megatron_lm.launch import pasted
         from megatron_bitdet.megatron_lm.options import preparse
         from megatron_bitdet.workflows.megatron_resume import skipped_restore_flags, train_iters
 
-        line = list(line)
+        line = pasted(line, "prove")
         if recipe is not None:
             if "--recipe" in line:
                 raise BitdetInputError(f"--recipe {recipe} and the launch line's --recipe both given: keep one")
@@ -148,7 +149,11 @@ class MegatronRuns:
 
     def tax(self, out_dir: Path, config, run_a: Path, run_b: Path) -> LaunchTax:
         baseline = Path(out_dir) / "baseline"
-        self._launch(baseline, [a for a in self.line if a != MODE_FLAG], f"baseline launch (without {MODE_FLAG})")
+        from megatron_bitdet.megatron_lm.launch import rerun_args
+
+        # without the recipe too: a recipe asking for determinism needs the flag (entry.load_base_recipe)
+        line = [a for a in rerun_args(self.line, drop=("--recipe", "--bitdet-override")) if a != MODE_FLAG]
+        self._launch(baseline, line, f"baseline launch (without {MODE_FLAG})")
         result = launch_tax({"run A": run_a, "run B": run_b}, baseline, nproc=self.nproc,
                             iterations=self.iterations, warmup=config.tax_warmup)
         (Path(out_dir) / "tax.json").write_text(result.to_json())

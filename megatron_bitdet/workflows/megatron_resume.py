@@ -15,19 +15,38 @@ from megatron_bitdet.rundir import fresh
 from megatron_bitdet.errors import BitdetInputError
 
 SKIPPABLE = {"rng": "--no-load-rng", "optimizer": "--no-load-optim"}
-_OWNED = ("--save", "--load", "--save-interval", "--exit-interval", "--ckpt-step", "--run-dir", "--snapshot-at",
-          "--snapshot-full")
+
+
+def _value(megatron_args: list, flag: str) -> int | None:
+    """``flag``'s integer value on the line (``--flag N`` or ``--flag=N``); None when absent."""
+    for i, arg in enumerate(megatron_args):
+        name, eq, inline = arg.partition("=")
+        if name == flag:
+            text = inline if eq else (megatron_args[i + 1] if i + 1 < len(megatron_args) else "")
+            try:
+                return int(text)
+            except ValueError:
+                raise BitdetInputError(f"{flag} {text!r}: expected an integer") from None
+    return None
 
 
 def train_iters(megatron_args: list) -> int:
-    """``--train-iters N`` from the launch line (the chain needs the run's length)."""
-    for flag in _OWNED:
-        if flag in megatron_args:
-            raise BitdetInputError(f"{flag} is set by verify-resume for each segment; drop it from the launch line")
-    try:
-        return int(megatron_args[megatron_args.index("--train-iters") + 1])
-    except (ValueError, IndexError):
-        raise BitdetInputError("the launch line needs --train-iters N (verify-resume chains segments to N)") from None
+    """The run's length in iterations: ``--train-iters N``, or a samples-based schedule's ``--train-samples S``
+    over ``--global-batch-size B`` (Megatron-LM's own S // B; ``--lr-*-samples`` need nothing more: segments
+    stop and save at iterations, and each resumes the consumed-samples count)."""
+    iters = _value(megatron_args, "--train-iters")
+    if iters is not None:
+        return iters
+    samples = _value(megatron_args, "--train-samples")
+    if samples is None:
+        raise BitdetInputError("the launch line needs --train-iters N or --train-samples S (the chain runs to its end)")
+    if "--rampup-batch-size" in megatron_args:
+        raise BitdetInputError("--train-samples with --rampup-batch-size: the chain needs the run's length in "
+                               "iterations; use --train-iters N (or drop the batch-size ramp-up)")
+    batch = _value(megatron_args, "--global-batch-size")
+    if not batch:
+        raise BitdetInputError("--train-samples needs --global-batch-size B on the line (iterations = S // B)")
+    return samples // batch
 
 
 def skipped_restore_flags(skip_restore) -> list[str]:
@@ -67,8 +86,9 @@ def verify_megatron_resume(script: str, megatron_args: list, resume_at, *, nproc
                            skip_restore=(), reference_dir=None, full_snapshots: bool = False) -> ResumeReport:
     """``reference_dir``: reuse an uninterrupted run of the same launch line made with ``--snapshot-at``;
     ``full_snapshots``: every snapshot also keeps its tensors in full (``--snapshot-full all``)."""
-    from megatron_bitdet.megatron_lm.launch import launch_or_fail
+    from megatron_bitdet.megatron_lm.launch import launch_or_fail, pasted
 
+    megatron_args = pasted(megatron_args, "verify-resume")
     iterations = train_iters(megatron_args)
     steps = check_resume_at(resume_at, iterations)
     faults = skipped_restore_flags(skip_restore)
