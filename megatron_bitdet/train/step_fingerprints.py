@@ -92,11 +92,22 @@ def _buffer_params(buffer) -> list:
     return sorted(buffer.params, key=lambda p: buffer.param_index_map[p][0])
 
 
+def _owned(buffer, attr: str, group: Group) -> list:
+    """This rank's shard of each bucket's ``param_data`` / ``grad_data``, as megatron cuts it."""
+    out = []
+    for bucket in buffer.buckets:
+        data = getattr(bucket, attr)
+        size = data.numel() // group.size
+        out.append(data[size * group.index:size * (group.index + 1)])
+    return out
+
+
 def ddp_regions(ddp_modules) -> list[Region]:
     """Every DDP buffer as regions, in a fixed order (chunk, dense then expert, kind): params (the
-    all-gathered ``param_data``, or the params themselves where megatron keeps none), grads (with the
-    distributed optimizer the shard this rank owns after the reduce-scatter, per bucket as megatron
-    cuts it), and the fp32 main params of 16-bit params."""
+    all-gathered ``param_data``, or the params themselves where megatron keeps none; the owned shard
+    when the all-gather overlaps the next forward), grads (with the distributed optimizer the shard
+    this rank owns after the reduce-scatter, per bucket as megatron cuts it), and the fp32 main params
+    of 16-bit params."""
     regions = []
     for ci, m in enumerate(ddp_modules):
         for family, buffers in (("dense", m.buffers), ("expert", m.expert_parallel_buffers)):
@@ -104,12 +115,14 @@ def ddp_regions(ddp_modules) -> list[Region]:
                 name, group = f"{ci}.{family}.{bi}", Group.of(b.data_parallel_group)
                 distopt = b.ddp_config.use_distributed_optimizer
                 params = _buffer_params(b)
-                regions.append(Region("params", name, [b.param_data] if b.param_data is not None
-                                      else [p.detach() for p in params], group, False))
+                if distopt and b.ddp_config.overlap_param_gather:
+                    # the all-gather runs in the next forward: after the step only the owned shard is new
+                    regions.append(Region("params", name, _owned(b, "param_data", group), group, True))
+                else:
+                    regions.append(Region("params", name, [b.param_data] if b.param_data is not None
+                                          else [p.detach() for p in params], group, False))
                 if distopt:
-                    owned = [bk.grad_data[bk.grad_data.numel() // group.size * group.index:]
-                             [:bk.grad_data.numel() // group.size] for bk in b.buckets]
-                    regions.append(Region("grads", name, owned, group, True))
+                    regions.append(Region("grads", name, _owned(b, "grad_data", group), group, True))
                 else:
                     regions.append(Region("grads", name, [b.grad_data], group, False))
                 mains = [p.main_param for p in params if getattr(p, "main_param", None) is not None]
