@@ -9,16 +9,15 @@ import sys
 sys.path.append(os.path.dirname(os.environ["BITDET_RECORDED_SCRIPT"]))  # as the entry does for the script it runs
 import host_sync_recorder  # noqa: E402  (tests/ is on PYTHONPATH)
 
-host_sync_recorder.install(int(os.environ["RANK"]))
-from megatron.training import training  # noqa: E402  (bitdet's hooks are installed: this wraps theirs)
+if "RANK" in os.environ:  # a rank (the launcher's in-process preflight of the launch line records nothing)
+    host_sync_recorder.install(int(os.environ["RANK"]))
+    from megatron.training import training  # bitdet's hooks are installed: this wraps theirs
 
-_bitdet_step = training.train_step
+    _bitdet_step = training.train_step
 
+    def train_step(forward_step_func, data_iterator, model, *a, **kw):
+        host_sync_recorder.state_storages(model)
+        return _bitdet_step(forward_step_func, data_iterator, model, *a, **kw)
 
-def train_step(forward_step_func, data_iterator, model, *a, **kw):
-    host_sync_recorder.state_storages(model)
-    return _bitdet_step(forward_step_func, data_iterator, model, *a, **kw)
-
-
-training.train_step = train_step
+    training.train_step = train_step
 runpy.run_path(os.environ["BITDET_RECORDED_SCRIPT"], run_name="__main__")
