@@ -6,7 +6,8 @@ The copy is validated with the flags bitdet judges itself switched off (``determ
 one-at-a-time determinism asserts would hide the full list bitdet gives, and it would switch torch's
 deterministic algorithms on in a ``--check``; the flags of ``MEGATRON_FLAG_RULES``: Megatron asserts on them
 one at a time too -- ``--tp-comm-overlap`` without sequence parallelism -- and reads the CUDA device's
-compute capability for ``--moe-grouped-gemm``), then those flags are put back as given. The real args are
+compute capability for ``--moe-grouped-gemm``; ``fp4``: Megatron compares Transformer Engine's version,
+None without TE, and bitdet judges FP4 itself, ``args.fp4_issue``), then those flags are put back as given. The real args are
 validated by Megatron afterwards, as always. Megatron's refusal of the line is bad input (exit 2), never a
 traceback inside a rank.
 """
@@ -20,7 +21,7 @@ import warnings
 from megatron_bitdet.enforce.megatron import MEGATRON_FLAG_RULES
 from megatron_bitdet.errors import BitdetInputError
 
-NEUTRAL = {"deterministic_mode": False, **{flag: False for flag in MEGATRON_FLAG_RULES}}
+NEUTRAL = {"deterministic_mode": False, "fp4": None, **{flag: False for flag in MEGATRON_FLAG_RULES}}
 
 
 def validated(args, validate_args, defaults=None, *, world_size: int | None = None):
