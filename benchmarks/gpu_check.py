@@ -355,6 +355,18 @@ def digest_rows(env: Env):
               f"{ms:.3f}", f"{ms / copied:.2f}x", failed=len(digests) != 1)
 
 
+def nvfp4_rows(env: Env):
+    """TE's NVFP4BlockScaling (TE >= 2.7, Blackwell) from the recipe's model.fp4 keys, repeated bitwise."""
+    if env.dev != "cuda":
+        raise ImportError("Transformer Engine NVFP4 needs CUDA (TE >= 2.7, Blackwell)")
+    from megatron_bitdet.kernels.fp4_linear import te_nvfp4_twice
+
+    distinct, ms = te_nvfp4_twice(env.repeats)
+    yield Row("TE NVFP4 linear", "te.Linear + NVFP4BlockScaling",
+              "bitwise" if distinct == 1 else f"NOT REPEATABLE ({distinct} results)", f"{ms:.3f}",
+              failed=distinct != 1)
+
+
 def twins_rows(title: str, recipe: str, overrides: list, left_s):
     """Two independent ``bitdet train`` runs with Transformer Engine's spec, compared bit for bit."""
     import tempfile
@@ -406,6 +418,7 @@ def checks(env: Env, table: Table) -> list:
     return [*((title, lambda t=title, c=case: kernel_rows(env, t, c)) for title, case in CASES.items()),
             ("FusedAdam resume", lambda: fused_adam_rows(env)),
             ("device digest", lambda: digest_rows(env)),
+            ("TE NVFP4 linear", lambda: nvfp4_rows(env)),
             ("TE-spec model twins", lambda: twins_rows("TE-spec model twins", "nemotron_h_tiny", [], table.left_s)),
             ("TE FP8 twins", lambda: twins_rows("TE FP8 twins", "nemotron_h_tiny_fp8",
                                                 ["model.moe.expert_impl=sequential"], table.left_s)),
