@@ -249,3 +249,40 @@ def test_samples_based_schedule_is_chained_in_iterations():
                 ["--train-samples", "16", "--global-batch-size", "4", "--rampup-batch-size", "2", "2", "8"]):
         with pytest.raises(BitdetInputError):
             train_iters(bad)
+
+
+# one flag (or Megatron default) at a time on a line that otherwise runs here: its row's fix
+MACHINE_ROWS = [
+    ({"transformer_impl": "transformer_engine"}, "add --transformer-impl local"),
+    ({"position_embedding_type": "rope", "apply_rope_fusion": True}, "add --no-rope-fusion"),
+    ({"fp8": "hybrid"}, "drop --fp8-format"),
+    ({"moe_permute_fusion": True}, "drop --moe-permute-fusion"),
+    ({"tp_comm_overlap": True}, "drop --tp-comm-overlap"),
+    ({"te_rng_tracker": True}, "drop --te-rng-tracker"),
+    ({"gradient_accumulation_fusion": True}, "add --no-gradient-accumulation-fusion"),
+    ({"masked_softmax_fusion": True, "bf16": True}, "add --no-masked-softmax-fusion"),
+    ({"use_flash_attn": True}, "drop it (or install flash-attn on a GPU)"),
+    ({"moe_token_dispatcher_type": "flex"}, "use --moe-token-dispatcher-type alltoall"),
+    ({"batch_invariant_mode": True}, "drop --batch-invariant-mode"),
+    ({"cuda_graph_impl": "local"}, "drop --cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"),
+    ({"moe_grouped_gemm": True}, "drop --moe-grouped-gemm"),
+]
+
+
+@pytest.mark.parametrize("flags, fix", MACHINE_ROWS, ids=[next(iter(f)) for f, _ in MACHINE_ROWS])
+def test_each_flag_this_machine_cannot_run_is_one_row_with_its_fix(flags, fix):
+    import argparse
+
+    import torch
+
+    from megatron_bitdet.compat import cpu_backend
+    from megatron_bitdet.megatron_lm.machine import missing
+
+    if torch.cuda.is_available():
+        pytest.skip("the rows judge a machine without CUDA, TE and Apex")
+    cpu_backend.install()
+    local = ["--spec", "megatron_bitdet.megatron_lm.specs", "local_mamba_stack_spec"]
+    runs_here = dict(transformer_impl="local", spec=local[1:], position_embedding_type="none", no_persist_layer_norm=True)
+    assert missing(argparse.Namespace(**runs_here), None, "pretrain_gpt.py", "*-") == []
+    rows = missing(argparse.Namespace(**{**runs_here, **flags}), None, "pretrain_gpt.py", "*-")
+    assert len(rows) == 1 and rows[0].fix.startswith(fix), rows
