@@ -33,6 +33,7 @@ from benchmarks.intervals import median_interval, paired_ratios, verdict  # noqa
 from benchmarks.shapes import SHAPES  # noqa: E402
 
 GOAL = 1.0  # bitdet's step time at most upstream's deterministic mode's (a paired ratio)
+CALLS_SHOWN = 12
 
 
 def sides_for(recipe, decompose: bool = False) -> list[dict]:
@@ -68,6 +69,8 @@ def _pct(ratio: float, interval: tuple[float, float]) -> str:
 
 
 def report(shape: str, stats) -> None:
+    from megatron_bitdet.workflows.tax_worker import op_group
+
     bitdet, upstream, *rest = stats
     probes, nondet = [s for s in rest if s.deterministic], [s for s in rest if not s.deterministic]
     base = min(nondet, key=lambda s: s.median_ms)
@@ -91,6 +94,12 @@ def report(shape: str, stats) -> None:
     for g in groups:
         x, y = a.op_groups_ms.get(g, 0.0), b.op_groups_ms.get(g, 0.0)
         print(f"    {g:<22} {x:8.2f} {y:8.2f} {x - y:+8.2f}")
+    ops = sorted(set(a.op_calls) | set(b.op_calls), key=lambda k: -abs(a.op_calls.get(k, 0) - b.op_calls.get(k, 0)))
+    print(f"  calls per step that differ most, {a.name} vs {b.name} (rank 0; counts do not move with load):")
+    for k in ops[:CALLS_SHOWN]:
+        x, y = a.op_calls.get(k, 0), b.op_calls.get(k, 0)
+        if x != y:
+            print(f"    {k[:40]:<40} [{op_group(k)}] {x:8.0f} {y:8.0f} {x - y:+8.0f}")
 
 
 def main() -> int:

@@ -62,7 +62,7 @@ def test_side_stats_worked_example():
     375 ms, so the median is 500 ms and 1000 tokens a step make 2000 tokens/s."""
     side = {"name": "deterministic", "deterministic": True,
             "recipe": {"model": {"hybrid_pattern": "M*", "moe": {"expert_impl": "grouped"}}}}
-    rank = {"comm_s": [0.0] * 3, "peak_mib": [1.0] * 3, "op_groups_ms": {}, "top_ops_ms": {},
+    rank = {"comm_s": [0.0] * 3, "peak_mib": [1.0] * 3, "op_groups_ms": {}, "top_ops_ms": {}, "op_calls": {},
             "det_flag_seen": [True], "invariant_seen": [False]}
     stats = _stats(side, [{**rank, "step_s": [0.5, 0.25, 0.375]}, {**rank, "step_s": [0.25, 0.5, 0.125]}], 1000)
     assert (stats.step_ms, stats.median_ms, stats.tokens_per_s) == ([500.0, 500.0, 375.0], 500.0, 2000.0)

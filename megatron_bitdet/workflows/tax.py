@@ -57,6 +57,7 @@ class SideStats:
     top_ops_ms: dict  # rank 0's costliest ops (self time, ms/step), for saying what dominates
     det_algorithms_enabled: list  # torch.are_deterministic_algorithms_enabled() seen during its steps, all ranks
     invariant_reductions: list  # whether topology-invariant reductions were bound during its steps, all ranks
+    op_calls: dict = field(default_factory=dict)  # rank 0's calls per step of every op: work, not time
 
 
 @dataclass
@@ -148,7 +149,7 @@ def _stats(side: dict, per_rank: list[dict], tokens_per_step: int) -> SideStats:
         tokens_per_s=tokens_per_step / (median / 1000), comm_ms=float(np.median(comm)),
         peak_memory_mib=float(np.median(peak)),
         op_groups_ms={g: float(np.mean([r["op_groups_ms"].get(g, 0.0) for r in per_rank])) for g in groups},
-        top_ops_ms=per_rank[0]["top_ops_ms"],
+        top_ops_ms=per_rank[0]["top_ops_ms"], op_calls=per_rank[0]["op_calls"],
         det_algorithms_enabled=sorted({f for r in per_rank for f in r["det_flag_seen"]}),
         invariant_reductions=sorted({f for r in per_rank for f in r["invariant_seen"]}),
     )

@@ -71,6 +71,7 @@ class Side:
     invariant_seen: set = field(default_factory=set)  # were topology-invariant reductions bound in its steps
     op_groups_ms: dict = field(default_factory=dict)
     top_ops_ms: dict = field(default_factory=dict)
+    op_calls: dict = field(default_factory=dict)  # calls per step of every op (load-independent, unlike times)
 
 
 class CommTimer:
@@ -234,6 +235,7 @@ def _profile(side: Side, steps: int) -> None:
         ops[evt.key] = ms
     side.op_groups_ms = {g: round(v, 3) for g, v in sorted(groups.items())}
     side.top_ops_ms = {k: round(v, 3) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_OPS]}
+    side.op_calls = {evt.key: evt.count / steps for evt in prof.key_averages()}
 
 
 def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds: int, warmup: int,
@@ -276,7 +278,7 @@ def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds:
     phases["profiled"] = time.perf_counter()
     mine = [{"name": s.name, "step_s": s.step_s, "comm_s": s.comm_s, "peak_mib": s.peak_mib,
              "det_flag_seen": sorted(s.det_flag_seen), "invariant_seen": sorted(s.invariant_seen), "op_groups_ms": s.op_groups_ms,
-             "top_ops_ms": s.top_ops_ms} for s in built]
+             "top_ops_ms": s.top_ops_ms, "op_calls": s.op_calls} for s in built]
     gathered = [None] * world_size
     dist.all_gather_object(gathered, mine)
     if rank == 0:
