@@ -191,7 +191,7 @@ def test_fix_names_the_flag_and_the_recipe_key_only_with_a_recipe(tmp_path, caps
 
 
 @megatron_lm
-def test_recipe_without_deterministic_mode_and_bad_snapshot_at_exit_2_before_any_rank(tmp_path, capsys):
+def test_recipe_without_deterministic_mode_and_bad_snapshot_values_exit_2_before_any_rank(tmp_path, capsys):
     from test_megatron_lm import MAMBA, line_recipe
 
     recipe = line_recipe(tmp_path / "r.yaml", "{}")
@@ -199,9 +199,10 @@ def test_recipe_without_deterministic_mode_and_bad_snapshot_at_exit_2_before_any
     for argv in (["--check"], ["--nproc", "2", "--run-dir", str(tmp_path / "a")]):
         assert bitdet(["megatron-lm", *argv, script("pretrain_mamba.py"), *plain, "--recipe", str(recipe)]) == 2
         assert "add --deterministic-mode" in capsys.readouterr().err
-    rc = bitdet(["megatron-lm", "--nproc", "2", "--run-dir", str(tmp_path / "b"), script("pretrain_mamba.py"),
-                 *MAMBA, "--snapshot-at", "x"])
-    assert rc == 2 and "--snapshot-at" in capsys.readouterr().err
+    for flag, value in (("--snapshot-at", "x"), ("--snapshot-full", str(tmp_path / "no_such_selection.json"))):
+        rc = bitdet(["megatron-lm", "--nproc", "2", "--run-dir", str(tmp_path / "b"), script("pretrain_mamba.py"),
+                     *MAMBA, flag, value])
+        assert rc == 2 and f"argument {flag}" in capsys.readouterr().err
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
@@ -286,3 +287,26 @@ def test_each_flag_this_machine_cannot_run_is_one_row_with_its_fix(flags, fix):
     assert missing(argparse.Namespace(**runs_here), None, "pretrain_gpt.py", "*-") == []
     rows = missing(argparse.Namespace(**{**runs_here, **flags}), None, "pretrain_gpt.py", "*-")
     assert len(rows) == 1 and rows[0].fix.startswith(fix), rows
+
+
+@megatron_lm
+def test_verify_resume_takes_a_pasted_samples_based_line_with_its_output_flags(tmp_path, capsys):
+    """train.sh's schedule and outputs on the README's line: --train-samples / --lr-*-samples instead of
+    --train-iters, NVIDIA's --save-interval, --save / --load and TensorBoard: each output flag dropped with a
+    note, the chain runs to S // B iterations, and the resume is bitwise."""
+    from test_megatron_lm import MAMBA
+
+    line = replace(MAMBA, "--train-iters", 1, ["--train-samples", "12", "--lr-warmup-samples", "4",
+                                               "--lr-decay-samples", "8"])
+    line += ["--save", str(tmp_path / "ck"), "--load", str(tmp_path / "ck"), "--save-interval", "100000",
+             "--tensorboard-dir", str(tmp_path / "tb")]
+    rc = bitdet(["verify-resume", "--megatron-lm", script("pretrain_mamba.py"), "--nproc", "2", "--resume-at", "2",
+                 "--out", str(tmp_path / "vr"), "--", *line])
+    captured = capsys.readouterr()
+    assert rc == 0, captured.err[-3000:]
+    notes = [n.split()[4] for n in captured.err.splitlines() if n.startswith("[bitdet] note: verify-resume drops")]
+    assert notes == ["--save", "--load", "--save-interval", "--tensorboard-dir"]
+    steps = [json.loads(x)["step"] for x in (tmp_path / "vr" / "reference" / "fingerprints" / "rank_00000.jsonl")
+             .read_text().splitlines()]
+    assert steps == [1, 2, 3]  # 12 samples / global batch 4
+    assert not (tmp_path / "ck").exists() and not (tmp_path / "tb").exists()

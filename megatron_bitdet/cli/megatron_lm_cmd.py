@@ -12,8 +12,10 @@ EXAMPLES = """examples:
   torchrun --nproc-per-node 8 -m megatron_bitdet.megatron_lm PATH/pretrain_mamba.py --deterministic-mode \\
       --recipe R.yaml --run-dir runs/gpu <Megatron args>
 
---check judges the launch line (exit 2 listing every violation, 0 when clean) without training; flags
-for kernels that are not installed here are judged, not imported. bitdet's own options may appear
+--check judges the launch line as Megatron validates it, without training (exit 2 listing every violation;
+3 when the rules pass but this machine cannot run it: the section "will not run on this machine" names
+each flag to add or drop; 0 when clean); flags for kernels that are not installed here are judged, not
+imported. A launch refuses before any rank starts (exit 2), listing both. bitdet's own options may appear
 among the Megatron args: --recipe, --bitdet-override, --run-dir, --snapshot-at, and bitdet train's
 tracing flags (--trace LEVEL --trace-steps A-B --trace-ranks LIST --trace-hash H --trace-capture R:EVENT).
 `bitdet localize` compares two traced runs, or re-launches two fingerprint-only runs from their manifests

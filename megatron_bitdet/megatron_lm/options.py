@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 DEFAULT_RUN_DIR = "bitdet_run"
 
@@ -12,6 +13,13 @@ def steps_list(value: str) -> str:
     parts = [p.strip() for p in value.split(",") if p.strip()]
     if not parts or not all(p.isdigit() for p in parts):
         raise argparse.ArgumentTypeError(f"expected iterations K1,K2 (integers >= 0), got {value!r}")
+    return value
+
+
+def selection(value: str) -> str:
+    """``all`` or a selection file that exists (verify-resume's second pass writes it before launching)."""
+    if value != "all" and not os.path.isfile(value):
+        raise argparse.ArgumentTypeError(f"expected all or a selection file, got {value!r} (no such file)")
     return value
 
 
@@ -27,7 +35,7 @@ def add_entry_args(parser):
                        help="manifest, fingerprints, snapshots, traces (default: ./bitdet_run)")
     group.add_argument("--snapshot-at", default=None, metavar="K1,K2", type=steps_list,
                        help="live-state snapshots (digests) as step K+1 begins (bitdet verify-resume)")
-    group.add_argument("--snapshot-full", default=None, metavar="all|FILE",
+    group.add_argument("--snapshot-full", default=None, metavar="all|FILE", type=selection,
                        help="snapshots also keep these tensors in full: all, or a selection file (verify-resume's "
                             "second pass)")
     add_trace_args(parser)
