@@ -1,13 +1,16 @@
 """Hooks on Megatron-LM's own seams (``megatron.training``), installed before the script runs.
 
 - ``pretrain``: bitdet's arguments are chained into whatever ``extra_args_provider`` the script passes;
-  under ``--check`` the parsed launch line is judged and nothing trains.
-- ``initialize.validate_args``: before Megatron's one-at-a-time asserts, the parsed args become the run's
-  recipe and are judged (every violation at once, opt-outs honoured) on what ``--spec`` will build (the
-  audit walks the spec as data: its experts class, its attention, what its Mamba mixers call), enforcement
-  is enabled, the swaps are installed — into the spec object itself where it holds what a swap replaces —
-  and the manifest written, all before any process group or model exists. Before the first step the
-  built chunks are audited again (``rules.built`` in the manifest).
+  under ``--check`` (and a launch's preflight, before any rank starts) the parsed launch line is judged
+  and nothing trains.
+- ``initialize.validate_args``: before Megatron's one-at-a-time asserts, a copy of the parsed args that
+  Megatron's own ``validate_args`` has validated (``validate``: its derived defaults) becomes the run's
+  recipe and is judged (every violation at once, opt-outs honoured) on what ``--spec`` will build (the
+  audit walks the spec as data: its experts class, its attention, what its Mamba mixers call), together
+  with what this machine cannot run (``machine``); enforcement is enabled and the swaps are installed —
+  into the spec object itself where it holds what a swap replaces — before any process group or model
+  exists; the manifest is written once Megatron's own ``validate_args`` accepted the real args. Before the
+  first step the built chunks are audited again (``rules.built`` in the manifest).
 - ``build_train_valid_test_data_iterators``: creating the DataLoader iterator draws a seed from the CPU
   generator, which on CPU is also the generator dropout draws from; it draws on a saved-and-restored
   state here, so a resumed run's dropout stream equals the uninterrupted run's.
