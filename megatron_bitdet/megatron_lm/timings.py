@@ -5,16 +5,15 @@ byte-identical across runs (times never are). One JSON line per step per rank un
 
     {"v": 1, "step": 3, "rank": 0, "seconds": 0.01234}
 
-bitdet's own work inside the step (the grads digest before the optimizer) is left out of the time,
-so a deterministic and a baseline launch are timed on Megatron's work alone; every boundary (step and
-excluded span) synchronizes the device first, so queued GPU work is counted where it was launched.
+bitdet's own work inside the step (launching the device-resident digests: no host copy, no sync) is
+part of the step's time, as it is of the run's cost; both boundaries synchronize the device first, so
+queued GPU work (the backward) is counted in the step that launched it.
 """
 from __future__ import annotations
 
 import json
 import math
 import time
-from contextlib import contextmanager
 
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.rundir import timings_path
@@ -30,37 +29,22 @@ def _sync() -> None:
 
 
 class StepClock:
-    """Times one ``train_step`` at a time (``start`` / ``stop``), minus what runs under ``excluded``."""
+    """Times one ``train_step`` at a time (``start`` / ``stop``), synchronized at both ends."""
 
     def __init__(self, run_dir, rank: int):
         self.path = timings_path(run_dir, rank)
         self.rank = rank
         self._f = None
         self._t0 = None
-        self._excluded = 0.0
 
     def start(self) -> None:
         _sync()
-        self._excluded = 0.0
         self._t0 = time.perf_counter()
-
-    @contextmanager
-    def excluded(self):
-        """A span left out of the step. Synchronized at both ends: on a GPU the step's queued kernels
-        (the backward) would otherwise finish inside the span, whose copy to host waits for them, and
-        their time would be subtracted; the span's own kernels finish before it ends."""
-        _sync()
-        t = time.perf_counter()
-        try:
-            yield
-        finally:
-            _sync()
-            self._excluded += time.perf_counter() - t
 
     def stop(self, step: int) -> None:
         """Append the step's line (flushed: a killed rank keeps every finished step)."""
         _sync()
-        seconds = time.perf_counter() - self._t0 - self._excluded
+        seconds = time.perf_counter() - self._t0
         if self._f is None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             self._f = open(self.path, "a", encoding="utf-8")

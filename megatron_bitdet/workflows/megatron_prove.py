@@ -5,7 +5,7 @@ The tax: ``workflows.tax`` builds bitdet's own model, so it cannot time the user
 deterministic side is run A and run B themselves and the baseline is ONE extra launch of the same
 line without ``--deterministic-mode`` (no canonical environment, no torch deterministic algorithms,
 Megatron's flags as given). Each step's time is the wall time of Megatron-LM's ``train_step`` on the
-slowest rank (``megatron_lm.timings``; bitdet's grads digest left out), the first steps of every
+slowest rank (``megatron_lm.timings``), the first steps of every
 launch excluded as warm-up; the figure is the median per-step ratio paired by step (same batch, same
 lr) and the ratio of medians. The launches are sequential, not interleaved: a short look, not a
 benchmark (load on the machine between launches moves it).
