@@ -310,3 +310,39 @@ def test_verify_resume_takes_a_pasted_samples_based_line_with_its_output_flags(t
              .read_text().splitlines()]
     assert steps == [1, 2, 3]  # 12 samples / global batch 4
     assert not (tmp_path / "ck").exists() and not (tmp_path / "tb").exists()
+
+
+@megatron_lm
+def test_tp2_sequence_parallel_bf16_overlap_twins_are_byte_identical(tmp_path, monkeypatch):
+    """train.sh's production flags at TP 2 on CPU (validate_args' GPU-architecture query answered by the
+    seam; CUDA_DEVICE_MAX_CONNECTIONS=1 as train.sh exports): sequence parallel, bf16, the overlap pair and
+    the distributed optimizer train twice, byte for byte."""
+    from test_megatron_lm import MAMBA
+
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    line = [*replace(MAMBA, "--expert-model-parallel-size", 1, []), "--tensor-model-parallel-size", "2",
+            "--sequence-parallel", "--bf16", "--overlap-grad-reduce", "--overlap-param-gather"]
+    runs = [tmp_path / k for k in ("a", "b")]
+    assert [bitdet(["megatron-lm", "--nproc", "2", "--run-dir", str(r), script("pretrain_mamba.py"), *line])
+            for r in runs] == [0, 0]
+    for rank in (0, 1):
+        a, b = ((r / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes() for r in runs)
+        assert a == b and len(a.splitlines()) == 3
+    recipe = json.loads((runs[0] / "manifest.json").read_text())["recipe"]
+    assert (recipe["parallel"]["tensor"], recipe["parallel"]["sequence_parallel"]) == (2, True)
+    assert recipe["model"]["params_dtype"] == "bfloat16"
+
+
+@megatron_lm
+def test_pretrain_mamba_without_spec_names_the_spec_to_pass(capsys):
+    """Megatron-LM builds no default Mamba stack: the row names bitdet's local spec where TE is absent
+    (decided: never picked silently, the spec decides the model the manifest records)."""
+    from test_megatron_lm import MAMBA
+
+    rc = bitdet(["megatron-lm", "--check", "--nproc", "2", script("pretrain_mamba.py"), *replace(MAMBA, "--spec", 2, [])])
+    out = capsys.readouterr().out
+    assert rc == 3, out
+    [row] = machine_section(out)
+    assert row.startswith("pretrain_mamba.py without --spec: needs a layer spec")
+    assert row.endswith("fix: add --spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec --transformer-impl "
+                        "local (Transformer Engine is absent here)")
