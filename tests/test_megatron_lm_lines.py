@@ -188,6 +188,14 @@ def test_fix_names_the_flag_and_the_recipe_key_only_with_a_recipe(tmp_path, caps
                    "--recipe", str(recipe)]) == 2
     assert ("fix: drop --cross-entropy-loss-fusion (in the recipe: set model.cross_entropy_loss_fusion: false)"
             in capsys.readouterr().out)
+    # the TE spec itself holds the grouped experts (no --moe-grouped-gemm on the line): the fix names a spec
+    from test_megatron_lm import te_spec_line
+
+    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *te_spec_line(), "--recipe",
+                   str(line_recipe(tmp_path / "no_swaps.yaml", "{swaps: false}"))]) == 2
+    out = capsys.readouterr().out
+    assert "fix: pass --spec megatron_bitdet.megatron_lm.specs te_mamba_stack_spec" in out
+    assert "drop --moe-grouped-gemm" not in out
 
 
 @megatron_lm

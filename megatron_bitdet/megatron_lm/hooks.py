@@ -159,7 +159,7 @@ def judge(session, args):
                                       f"asserts it off in deterministic mode ({MEGATRON_LM_ASSERTS[o['id']]!r})",
                              RULES_BY_ID[o["id"]].why, RULES_BY_ID[o["id"]].fix)
                    for o in outcome.opt_outs if o["id"] in MEGATRON_LM_ASSERTS]
-    violations = in_flags(violations, recipe_given=session.base is not None)
+    violations = in_flags(violations, args, recipe_given=session.base is not None)
     return recipe, (settings, outcome, violations, warnings)
 
 
