@@ -6,12 +6,13 @@ import sys
 
 from megatron_bitdet.errors import BitdetError
 
-# a re-run writes into its own run directory only: the original's outputs, checkpoints and tracing are not
-# carried over (a name ending in "-" is a prefix: every --wandb-* flag)
+# a re-run writes into its own run directory only: the original's outputs and tracing are not carried over
+# (a name ending in "-" is a prefix: every --wandb-* flag); what it loads stays (a resumed run re-runs resumed)
 _OUTPUT_FLAGS = ("--run-dir", "--snapshot-at", "--snapshot-full", "--trace", "--trace-steps", "--trace-ranks",
                  "--trace-hash", "--trace-capture", "--save", "--save-interval", "--persistent-save-interval",
-                 "--exit-interval", "--exit-duration-in-mins", "--load", "--ckpt-step", "--tensorboard-dir",
-                 "--wandb-")
+                 "--exit-interval", "--exit-duration-in-mins", "--tensorboard-dir", "--wandb-")
+# a workflow that chains fresh launches (verify-resume, prove) also sets what each one loads
+_WORKFLOW_FLAGS = (*_OUTPUT_FLAGS, "--load", "--ckpt-step")
 
 
 def _named(name: str, flags) -> bool:
@@ -19,12 +20,12 @@ def _named(name: str, flags) -> bool:
 
 
 def pasted(megatron_args: list, workflow: str) -> list[str]:
-    """A pasted production line for a workflow that sets each launch's outputs itself (verify-resume,
-    prove): its output flags (checkpoints, TensorBoard, W&B, exit interval, run directory) are dropped,
-    each with a one-line note on stderr, never refused."""
-    kept = rerun_args(megatron_args)
+    """A pasted production line for a workflow that sets each launch's outputs and loads itself
+    (verify-resume, prove): its output flags (checkpoints, what it loads, TensorBoard, W&B, exit interval,
+    run directory) are dropped, each with a one-line note on stderr, never refused."""
+    kept = rerun_args(megatron_args, drop=_WORKFLOW_FLAGS)
     names = [a.split("=", 1)[0] for a in megatron_args if a.startswith("--")]
-    for flag in dict.fromkeys(n for n in names if _named(n, _OUTPUT_FLAGS)):
+    for flag in dict.fromkeys(n for n in names if _named(n, _WORKFLOW_FLAGS)):
         print(f"[bitdet] note: {workflow} drops {flag} from the line: each launch writes its own outputs "
               f"(run directory, checkpoints) where the workflow says", file=sys.stderr, flush=True)
     return kept
