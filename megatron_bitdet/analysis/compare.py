@@ -190,6 +190,7 @@ def _compare_steps(a: RunData, b: RunData, names: list[str], result: CompareResu
     steps: dict[int, StepSummary] = {}
     only_a, only_b, missing = set(), set(), set()
     first: dict[int, list[MetricDiff]] = {}
+    with_slices = any(n.startswith(DIGEST_PREFIX) for n in names)
     for rank in result.ranks_compared:
         recs_a, recs_b = (_records_with(run.ranks[rank], names) for run in (a, b))
         if wanted is not None:
@@ -210,6 +211,13 @@ def _compare_steps(a: RunData, b: RunData, names: list[str], result: CompareResu
                 _accumulate(summary, name, diff)
                 if diff is not None:
                     first.setdefault(step, []).append(diff)
+            if with_slices and recs_a[step].slices != recs_b[step].slices:
+                # v2's slice records (the replica checks' chunks among them: ``digests`` folds only a
+                # rank's own) are compared whole, so every byte both lines record is covered
+                diff = MetricDiff(rank=rank, name=DIGEST_PREFIX + "slices", a=None, b=None,
+                                  note="slice records differ (the replica-check chunks, or a slice's bytes)")
+                _accumulate(summary, diff.name, diff)
+                first.setdefault(step, []).append(diff)
     result.per_step = [steps[s] for s in sorted(steps)]
     result.steps_compared = len(steps)
     result.diverged_steps = sorted(first)
