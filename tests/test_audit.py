@@ -84,9 +84,11 @@ def test_megatrons_te_mamba_spec_holds_grouped_experts_whatever_the_flags(audit)
 def test_te_stand_in_spec_holds_te_grouped_mlp_and_the_swap_replaces_it(audit, te_mamba_specs):
     from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as cpu_spec
 
+    from megatron_bitdet.megatron_lm import specs
+
     spec = te_mamba_specs.mamba_stack_spec
     assert at(audit.audit_spec(spec), EXPERTS).runs == TE_GROUPED_MLP
-    copied, done = audit.swap_grouped_experts(spec, copy=True)
+    copied, done = specs.swap_grouped_experts(spec, copy=True)
     assert done == [(EXPERTS, TE_GROUPED_MLP, GROUPED_PROB_MLP)]
     assert at(audit.audit_spec(spec), EXPERTS).runs == TE_GROUPED_MLP  # copy=True leaves the original alone
     moe = copied.submodules.moe_layer.submodules.mlp.submodules
@@ -94,7 +96,7 @@ def test_te_stand_in_spec_holds_te_grouped_mlp_and_the_swap_replaces_it(audit, t
     assert (moe.experts.submodules.linear_fc1, moe.experts.submodules.linear_fc2) == (shared.linear_fc1,
                                                                                       shared.linear_fc2)
     assert copied.submodules.mamba_layer is spec.submodules.mamba_layer  # untouched nodes are shared
-    in_place, _ = audit.swap_grouped_experts(spec, copy=False)  # what Megatron will build from
+    in_place, _ = specs.swap_grouped_experts(spec, copy=False)  # what Megatron will build from
     assert in_place is spec and at(audit.audit_spec(spec), EXPERTS).runs == GROUPED_PROB_MLP
     assert at(audit.audit_spec(cpu_spec), EXPERTS).runs == GROUPED_MLP  # the real module was never touched
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_bitdet.analysis.catalog import SYMPTOM_FIELDS, load_catalog
+from megatron_bitdet.enforce.catalog import SYMPTOM_FIELDS, load_catalog
 from megatron_bitdet.analysis.diagnose import WEIGHTS, diagnose, facts_from_scope, rank
 from megatron_bitdet.enforce.rules import RULES
 from megatron_bitdet.errors import BitdetInputError

@@ -307,7 +307,7 @@ def test_every_patch_declaration_is_documented_with_its_rule():
 
 
 def test_every_catalog_entry_is_documented_with_its_rules_and_fix_kind():
-    from megatron_bitdet.analysis.catalog import load_catalog
+    from megatron_bitdet.enforce.catalog import load_catalog
 
     problems = catalog_problems(load_catalog().entries, RULES_MD.read_text())
     assert not problems, "\n".join(problems)
@@ -391,7 +391,7 @@ def test_a_doc_section_or_row_the_code_lacks_is_caught():
 @pytest.mark.parametrize("check, load, drop", [
     (env_problems, "megatron_bitdet.enforce.env:ENV_TABLE", "PYTHONHASHSEED"),
     (patch_problems, "megatron_bitdet.compat.patching.declaration:load_declarations", "ssd_scan"),
-    (catalog_problems, "megatron_bitdet.analysis.catalog:load_catalog", "nccl_algorithm"),
+    (catalog_problems, "megatron_bitdet.enforce.catalog:load_catalog", "nccl_algorithm"),
 ])
 def test_a_declaration_without_its_row_is_caught(check, load, drop):
     """The real declarations against the page with one row deleted: the check names the row to add."""

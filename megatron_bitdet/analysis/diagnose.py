@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from megatron_bitdet.analysis.catalog import Catalog, load_catalog
+from megatron_bitdet.enforce.catalog import Catalog, load_catalog
 
 WEIGHTS = {"first_step": 1, "metrics": 3, "lm_loss_equal": 2, "scope_keys": 4, "resume_components": 8,
            "classification": 2, "read_artifact": 3, "ops": 3, "modules": 2, "kernel_mechanism": 5,

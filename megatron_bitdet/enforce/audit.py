@@ -7,7 +7,7 @@ binds, read as they are when the step runs: a swap's patch included). Both match
 the ``implementations`` of the catalog of known sources (``catalog/known_sources.yaml``): a match is a
 known nondeterministic implementation, and the rules judge it (``Facts.runs``) whatever the flags say.
 
-:func:`swap_grouped_experts` swaps a class the spec itself holds (megatron-core's TE Mamba spec builds its MoE
+:func:`megatron_lm.specs.swap_grouped_experts` swaps a class the spec itself holds (megatron-core's TE Mamba spec builds its MoE
 experts as ``TEGroupedMLP`` when it is imported, whatever ``--moe-grouped-gemm`` says) in the spec object:
 a swap replaces what will be built, not a binding the spec no longer reads. :func:`flag_calls` names what
 megatron-core picks by a config flag instead (TE's fused router, permute, cross entropy).
@@ -95,7 +95,7 @@ def name_of(obj) -> str:
 @functools.lru_cache(maxsize=None)
 def _known() -> tuple:
     """(symbol, object or None, entry id) for every catalog implementation; None: its module does not import."""
-    from megatron_bitdet.analysis.catalog import load_catalog
+    from megatron_bitdet.enforce.catalog import load_catalog
 
     out = []
     for entry in load_catalog().entries:
@@ -192,63 +192,6 @@ def by_rule(findings) -> dict:
         for rule in SLOT_RULES.get(_slot(f.position), ()):
             out.setdefault(rule, []).append(f)
     return out
-
-
-def replace_in_spec(spec, position: str, new, *, copy: bool):
-    """Put ``new`` at ``position`` of ``spec``: in place (the object Megatron will build from), or in a
-    copy that shares every untouched node with the original (``copy=True``); returns the spec."""
-    head, _, rest = position.partition(".")
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    if isinstance(spec, ModuleSpec):
-        spec = dataclasses.replace(spec) if copy else spec
-        spec.submodules = replace_in_spec(spec.submodules, position, new, copy=copy)
-        return spec
-    child = new if not rest else replace_in_spec(getattr(spec, head), rest, new, copy=copy)
-    if copy:
-        return dataclasses.replace(spec, **{head: child})
-    setattr(spec, head, child)
-    return spec
-
-
-def deterministic_experts(moe_submodules):
-    """bitdet's GroupedProbMLP for the experts of an MoE layer spec: a SequentialMLP's own submodules
-    (GroupedProbMLP is a SequentialMLP), else the linears the layer's shared experts use (the spec's backend)."""
-    from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP
-
-    experts = moe_submodules.experts
-    if isinstance(experts.submodules, MLPSubmodules) and name_of(experts.module) == SEQUENTIAL_MLP:
-        return ModuleSpec(module=GroupedProbMLP, params=dict(experts.params), submodules=experts.submodules)
-    shared = moe_submodules.shared_experts.submodules
-    return ModuleSpec(module=GroupedProbMLP, submodules=MLPSubmodules(
-        linear_fc1=shared.linear_fc1, linear_fc2=shared.linear_fc2))
-
-
-def swap_grouped_experts(spec, *, copy: bool, sequential: bool = False):
-    """Replace every grouped-experts class the catalog knows as nondeterministic (and, with ``sequential``,
-    megatron's SequentialMLP: the recipe asked for expert_impl grouped) by GroupedProbMLP; returns the
-    spec and (position, was, now) per replacement."""
-    done = []
-    for finding in by_rule(audit_spec(spec)).get("te_grouped_gemm", []):
-        if finding.source or (sequential and finding.runs == SEQUENTIAL_MLP):
-            replacement = deterministic_experts(_at(spec, finding.position.rsplit(".", 1)[0]))
-            spec = replace_in_spec(spec, finding.position, replacement, copy=copy)
-            done.append((finding.position, finding.runs, name_of(replacement.module)))
-    return spec, done
-
-
-def _at(spec, position: str):
-    """The submodules object at ``position`` (a ModuleSpec's submodules, stepping through specs)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    node = spec
-    for part in position.split("."):
-        node = node.submodules if isinstance(node, ModuleSpec) else node
-        node = getattr(node, part)
-    return node.submodules if isinstance(node, ModuleSpec) else node
 
 
 def recipe_keys(spec) -> dict:

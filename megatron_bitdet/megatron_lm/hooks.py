@@ -168,7 +168,8 @@ def swap_spec(recipe, args, outcome, *, in_place: bool, config) -> None:
     asks for ``expert_impl: grouped``, the experts ``--spec`` holds (it was built at its import, before
     any patch) become GroupedProbMLP — in the object Megatron builds from, or, for --check, in a copy;
     the outcome then records, per rule, what will run (``config``: the flags the model config will get)."""
-    from megatron_bitdet.enforce.audit import audit_spec, flag_calls, runs_record, swap_grouped_experts
+    from megatron_bitdet.enforce.audit import audit_spec, flag_calls, runs_record
+    from megatron_bitdet.megatron_lm.specs import swap_grouped_experts
 
     spec, findings = launch_spec(args), flag_calls(config)
     if spec is not None:

@@ -14,8 +14,10 @@ chunk size and conv width (no Megatron-LM flag sets them; megatron-core's defaul
 ``bitdet recipe megatron-args`` renders a recipe's ``model.mamba.chunk_size`` / ``conv_kernel``.
 """
 import copy
+import dataclasses
 import re
 
+from megatron_bitdet.enforce import audit
 from megatron_bitdet.model.specs import local_stack_spec
 
 _SIZED = re.compile(r"(local|te)_mamba_stack_spec_chunk(\d+)_conv(\d+)")
@@ -42,8 +44,63 @@ def __getattr__(name):
         raise AttributeError(name)
     from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
 
-    from megatron_bitdet.enforce.audit import swap_grouped_experts
-
     spec, _ = swap_grouped_experts(mamba_stack_spec, copy=True)
     globals()[name] = spec
     return spec
+
+
+def replace_in_spec(spec, position: str, new, *, copy: bool):
+    """Put ``new`` at ``position`` of ``spec``: in place (the object Megatron will build from), or in a
+    copy that shares every untouched node with the original (``copy=True``); returns the spec."""
+    head, _, rest = position.partition(".")
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(spec, ModuleSpec):
+        spec = dataclasses.replace(spec) if copy else spec
+        spec.submodules = replace_in_spec(spec.submodules, position, new, copy=copy)
+        return spec
+    child = new if not rest else replace_in_spec(getattr(spec, head), rest, new, copy=copy)
+    if copy:
+        return dataclasses.replace(spec, **{head: child})
+    setattr(spec, head, child)
+    return spec
+
+
+def deterministic_experts(moe_submodules):
+    """bitdet's GroupedProbMLP for the experts of an MoE layer spec: a SequentialMLP's own submodules
+    (GroupedProbMLP is a SequentialMLP), else the linears the layer's shared experts use (the spec's backend)."""
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP
+
+    experts = moe_submodules.experts
+    if isinstance(experts.submodules, MLPSubmodules) and audit.name_of(experts.module) == audit.SEQUENTIAL_MLP:
+        return ModuleSpec(module=GroupedProbMLP, params=dict(experts.params), submodules=experts.submodules)
+    shared = moe_submodules.shared_experts.submodules
+    return ModuleSpec(module=GroupedProbMLP, submodules=MLPSubmodules(
+        linear_fc1=shared.linear_fc1, linear_fc2=shared.linear_fc2))
+
+
+def swap_grouped_experts(spec, *, copy: bool, sequential: bool = False):
+    """Replace every grouped-experts class the catalog knows as nondeterministic (and, with ``sequential``,
+    megatron's SequentialMLP: the recipe asked for expert_impl grouped) by GroupedProbMLP; returns the
+    spec and (position, was, now) per replacement."""
+    done = []
+    for finding in audit.by_rule(audit.audit_spec(spec)).get("te_grouped_gemm", []):
+        if finding.source or (sequential and finding.runs == audit.SEQUENTIAL_MLP):
+            replacement = deterministic_experts(_at(spec, finding.position.rsplit(".", 1)[0]))
+            spec = replace_in_spec(spec, finding.position, replacement, copy=copy)
+            done.append((finding.position, finding.runs, audit.name_of(replacement.module)))
+    return spec, done
+
+
+def _at(spec, position: str):
+    """The submodules object at ``position`` (a ModuleSpec's submodules, stepping through specs)."""
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    node = spec
+    for part in position.split("."):
+        node = node.submodules if isinstance(node, ModuleSpec) else node
+        node = getattr(node, part)
+    return node.submodules if isinstance(node, ModuleSpec) else node

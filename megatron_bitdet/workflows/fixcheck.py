@@ -20,7 +20,7 @@ import threading
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from megatron_bitdet.analysis.catalog import load_catalog
+from megatron_bitdet.enforce.catalog import load_catalog
 from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.analysis.diagnose import flatten
 from megatron_bitdet.errors import BitdetError, BitdetInputError
