@@ -123,10 +123,13 @@ MODULE_CASES = {"megatron_bitdet.kernels.grouped_mlp:GroupedProbMLP",
                 "megatron_bitdet.kernels.moe_aux:reduce_aux_losses_tracker_across_ranks",
                 "megatron_bitdet.kernels.moe_aux:switch_load_balancing_loss_func",
                 "megatron_bitdet.model.norm:LocalNorm"}
-# the emulated FP8 linears need megatron's TP state and an fp8 TransformerConfig: their bitwise repeats
-# (outputs and every gradient, TP2 / EP2 / PP2) are tests/test_module_precision.py's fp8 column
+# the emulated FP8 / NVFP4 linears need megatron's TP state and an fp8 / fp4 TransformerConfig: their
+# bitwise repeats (outputs and every gradient, TP2 / EP2 / PP2) are tests/test_module_precision.py's fp8
+# and fp4 columns
 MODULE_PRECISION_CASES = {"megatron_bitdet.kernels.fp8_linear:EmulatedFP8ColumnParallelLinear",
-                          "megatron_bitdet.kernels.fp8_linear:EmulatedFP8RowParallelLinear"}
+                          "megatron_bitdet.kernels.fp8_linear:EmulatedFP8RowParallelLinear",
+                          "megatron_bitdet.kernels.fp4_linear:EmulatedFP4ColumnParallelLinear",
+                          "megatron_bitdet.kernels.fp4_linear:EmulatedFP4RowParallelLinear"}
 
 
 def _swapped_callables():
