@@ -57,6 +57,55 @@ def rank_order_sum(chunks: torch.Tensor) -> torch.Tensor:
     return acc
 
 
+def pairwise_sum(chunks: torch.Tensor) -> torch.Tensor:
+    """Adjacent pairs first, ``((c0 + c1) + (c2 + c3)) + ...``: a balanced binary tree over the leading
+    index. For a power-of-two count its subtrees over contiguous, aligned blocks are the sums of those
+    blocks by the same rule, so a rank holding the sum of leaves ``[kH, (k+1)H)`` feeds the upper
+    levels exactly as H ranks would (``dp_invariant``); an odd count carries its last chunk up a level."""
+    acc = chunks
+    while acc.shape[0] > 1:
+        n = acc.shape[0]
+        paired = acc[0:n - 1:2] + acc[1:n:2]
+        acc = torch.cat([paired, acc[n - 1:]]) if n % 2 else paired
+    return acc[0].clone()
+
+
+def exact_square_sum(tensors: list, group, limb_bits: int = 24, limbs: int = 3) -> float:
+    """Sum of squares whose bits do not depend on how the elements are split over ranks and tensors
+    (ReproBLAS-style binning): a MAX all-reduce fixes the scale 2**(2e) >= max(x**2); each square
+    (exact in float64 for float32 inputs) is cut onto the fixed grid 2**(2e - limb_bits*limbs) as
+    ``limbs`` integer limbs of ``limb_bits`` bits, truncated; the limbs are summed in int64 (integer
+    sums are associative: any partition and order give the same integers) and SUM all-reduced exactly.
+    Kept: every square's bits down to 2**-72 of the largest square (defaults); the total's relative
+    error is below n * 2**-72 for n elements, and limb sums cannot overflow below 2**39 elements."""
+    device = tensors[0].device if tensors else torch.device("cpu")
+    peak = torch.zeros((), dtype=torch.float64, device=device)
+    for t in tensors:
+        if t.numel():
+            peak = torch.maximum(peak, t.detach().abs().max().to(torch.float64))
+    spread = dist.is_initialized() and dist.get_world_size(group) > 1
+    if spread:
+        dist.all_reduce(peak, op=dist.ReduceOp.MAX, group=group)
+    if not torch.isfinite(peak):
+        return float(peak)
+    exponent = int(torch.frexp(peak).exponent) if peak > 0 else 0
+    sums = torch.zeros(limbs, dtype=torch.int64, device=device)
+    grid = float(2 ** limb_bits)
+    for t in tensors:
+        x = torch.ldexp(t.detach().to(torch.float64).reshape(-1) ** 2, torch.tensor(-2 * exponent, device=device))
+        for k in range(limbs):
+            x = x * grid
+            whole = torch.floor(x)
+            sums[k] += whole.to(torch.int64).sum()
+            x = x - whole
+    if spread:
+        dist.all_reduce(sums, group=group)
+    total = 0.0
+    for k, s in enumerate(sums.tolist()):
+        total += float(s) * 2.0 ** (2 * exponent - limb_bits * (k + 1))
+    return total
+
+
 class CollectiveTransport:
     """Exact data movement through c10d's all-to-all (whatever algorithm the library picks)."""
 
@@ -121,12 +170,13 @@ class Reductions:
     """The replacements for c10d's float reductions, over one transport.
 
     ``ordinary`` (only with a ring transport) is the emulated library ring: partial sums formed in
-    travel order. Otherwise a reduction is exact movement plus :func:`rank_order_sum`."""
+    travel order. Otherwise a reduction is exact movement plus ``combine`` over the group's chunks:
+    :func:`rank_order_sum`, or :func:`pairwise_sum` (``dp_invariant``)."""
 
-    def __init__(self, transport: CollectiveTransport, *, ordinary: bool = False):
+    def __init__(self, transport: CollectiveTransport, *, ordinary: bool = False, combine=rank_order_sum):
         if ordinary and not isinstance(transport, RingTransport):
             raise ValueError("the ordinary (travel-order) reduction needs a ring transport")
-        self.transport, self.ordinary = transport, ordinary
+        self.transport, self.ordinary, self.combine = transport, ordinary, combine
 
     def _reduce_scatter_flat(self, out_flat, in_flat, n, group) -> None:
         if self.ordinary:
@@ -134,7 +184,7 @@ class Reductions:
             return
         recv = torch.empty_like(in_flat)
         self.transport.all_to_all(recv, in_flat.contiguous(), group)
-        out_flat.copy_(rank_order_sum(recv.view(n, -1)))
+        out_flat.copy_(self.combine(recv.view(n, -1)))
 
     def reduce_scatter_tensor(self, output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
         n = dist.get_world_size(group)
@@ -157,14 +207,17 @@ class Reductions:
 
 
 def from_environment(mode: str):
-    """The reductions for a recipe's ``determinism.reductions`` mode, or None to keep c10d's.
+    """The reductions for a recipe's ``determinism.reductions`` mode, or None to keep c10d's
+    (``dp_invariant``: the pairwise tree over the group's chunks, see :func:`pairwise_sum`).
 
     ``BITDET_EMULATED_RING=<seed>`` (tests, benchmarks) routes the data over an emulated physical
     ring; with mode ``native`` the reductions then are that ring's ordinary travel-order sums."""
     seed = os.environ.get(EMULATED_RING_ENV)
+    invariant = mode in ("topology_invariant", "dp_invariant")
+    combine = pairwise_sum if mode == "dp_invariant" else rank_order_sum
     if seed is None:
-        return Reductions(CollectiveTransport()) if mode == "topology_invariant" else None
-    return Reductions(RingTransport(int(seed)), ordinary=(mode != "topology_invariant"))
+        return Reductions(CollectiveTransport(), combine=combine) if invariant else None
+    return Reductions(RingTransport(int(seed)), ordinary=not invariant, combine=combine)
 
 
 def wrappers(reductions: Reductions) -> dict:

@@ -236,7 +236,26 @@ class DeterminismConfig:
     swaps: bool = True  # let registered deterministic variants replace refused features
     # native: c10d's reductions (bits follow the ring/tree the library and allocation pick);
     # topology_invariant: exact shard movement + rank-order sums (bits follow the logical layout only)
-    reductions: Literal["native", "topology_invariant"] = "native"
+    # dp_invariant: the gradients and scalars of a fixed virtual layout of virtual_dp data-parallel ranks,
+    # hosted by any physical DP dividing it (bits independent of the data-parallel size)
+    reductions: Literal["native", "topology_invariant", "dp_invariant"] = "native"
+    virtual_dp: Optional[int] = bounded(None, ge=1)
+
+    def virtual_dp_issue(self, dp: int) -> str | None:
+        """Why a data-parallel size ``dp`` cannot host the virtual layout (None: it can)."""
+        if self.reductions == "dp_invariant" and self.virtual_dp % dp:
+            return (f"determinism.virtual_dp={self.virtual_dp} is not divisible by the data-parallel size {dp}: "
+                    "a rank hosts virtual_dp / DP virtual ranks (use a DP that divides it)")
+        return None
+
+    def _checks(self):
+        v = self.virtual_dp
+        if self.reductions == "dp_invariant" and v is None:
+            yield "virtual_dp", "is required with reductions: dp_invariant (the data-parallel size it reproduces)"
+        elif v is not None and self.reductions != "dp_invariant":
+            yield "virtual_dp", f"is only read with reductions: dp_invariant (reductions is {self.reductions})"
+        elif v is not None and v & (v - 1):
+            yield "virtual_dp", f"{v} is not a power of two (the gradient tree and its 1/V scaling need one)"
 
 
 @dataclass(frozen=True)
@@ -262,3 +281,14 @@ class RecipeConfig:
             yield "parallel.expert", f"{p.expert} > 1 but the pattern has no MoE layers (E)"
         if p.pipeline > m.num_layers:
             yield "parallel.pipeline", f"{p.pipeline} stages exceed the {m.num_layers} layers"
+        d, t = self.determinism, self.training
+        if d.reductions == "dp_invariant" and d.virtual_dp:
+            if t.global_batch_size % (t.micro_batch_size * d.virtual_dp):
+                yield "determinism.virtual_dp", (f"{d.virtual_dp} x training.micro_batch_size {t.micro_batch_size} "
+                                                 f"does not divide training.global_batch_size {t.global_batch_size}")
+            if m.has("E") and m.moe.load_balancing == "global_aux_loss":
+                yield "determinism.reductions", ("dp_invariant cannot host global_aux_loss: its token counts are "
+                                                 "all-reduced across DP inside each micro-batch's forward")
+            if m.fp8.recipe == "delayed":
+                yield "determinism.reductions", ("dp_invariant cannot host model.fp8.recipe: delayed: the amax "
+                                                 "history rolls once per micro-batch a rank runs")

@@ -5,7 +5,9 @@ Pipeline: corpus (``data_corpus``) -> indexed dataset .bin/.idx -> ``GPTDataset`
 megatron's pretraining-sampler order: the global sample stream is cut into windows of
 ``micro_batch_size * dp_size`` consecutive samples and DP rank ``r`` takes the ``r``-th slice of each
 window, so ``consumed_samples`` (a global count) advances by ``global_batch_size`` per step and is
-the whole data position.
+the whole data position. Under ``determinism.reductions: dp_invariant`` the windows are cut for the
+``virtual_dp`` virtual ranks and a rank draws, per step, all micro-batches of each virtual rank it hosts
+in turn (at DP = virtual_dp: the order above).
 
 Caches live under ``cache_dir/<corpus digest>/`` (default ``~/.cache/megatron_bitdet/data``): the
 .bin/.idx plus ``index/<key>/`` for megatron's shuffle indices. Rank 0 builds under a file lock
@@ -73,16 +75,18 @@ class TrainData:
     """
 
     def __init__(self, dataset: GPTDataset, valid_dataset, *, identity: dict, micro_batch_size: int,
-                 dp_rank: int, dp_size: int, corpus_dir: Path, rebuilt: bool) -> None:
+                 dp_rank: int, dp_size: int, corpus_dir: Path, rebuilt: bool, virtual_dp: int | None = None) -> None:
         self.dataset = dataset
         self.valid_dataset = valid_dataset
         self.identity = identity  # what a saved data position is only valid for
         self.micro_batch_size = micro_batch_size
         self.dp_rank = dp_rank
         self.dp_size = dp_size
+        self.virtual_dp = virtual_dp or dp_size  # the ranks the windows are cut for (dp_invariant)
         self.corpus_dir = corpus_dir
         self.rebuilt = rebuilt  # whether this call (re)built the .bin/.idx
         self.consumed_samples = 0
+        self._drawn = 0  # micro-batches drawn in the step in flight
 
     @property
     def corpus_digest(self) -> str:
@@ -90,18 +94,30 @@ class TrainData:
 
     @property
     def num_microbatches(self) -> int:
-        return self.identity["global_batch_size"] // (self.micro_batch_size * self.dp_size)
+        """Micro-batches per (virtual) rank per step."""
+        return self.identity["global_batch_size"] // (self.micro_batch_size * self.virtual_dp)
+
+    @property
+    def window(self) -> int:
+        return self.micro_batch_size * self.virtual_dp
 
     def __iter__(self):
         return self
 
     def __next__(self) -> dict:
-        window = self.micro_batch_size * self.dp_size
-        if self.consumed_samples + window > len(self.dataset):
+        """Micro-batch ``j`` of hosted virtual rank ``h``: slice ``first + h`` of the step's window ``j``.
+        ``consumed_samples`` advances a window per draw of the last hosted virtual rank (with one hosted:
+        every draw), so at a step's end it has advanced by the global batch."""
+        hosted = self.virtual_dp // self.dp_size
+        h, j = divmod(self._drawn, self.num_microbatches)
+        base = self.consumed_samples + (j * self.window if h < hosted - 1 else 0)
+        if base + self.window > len(self.dataset):
             raise StopIteration
-        start = self.consumed_samples + self.dp_rank * self.micro_batch_size
+        start = base + (self.dp_rank * hosted + h) * self.micro_batch_size
         samples = [self.dataset[i] for i in range(start, start + self.micro_batch_size)]
-        self.consumed_samples += window
+        self._drawn = (self._drawn + 1) % (hosted * self.num_microbatches)
+        if h == hosted - 1:
+            self.consumed_samples += self.window
         batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
         batch.setdefault("attention_mask", None)
         return batch
@@ -116,24 +132,27 @@ class TrainData:
             detail = ", ".join(f"{k}: saved {a!r} vs now {b!r}" for k, (a, b) in diff.items())
             raise BitdetInputError(f"data position was saved for different data: {detail}")
         consumed = state.get("consumed_samples")
-        window = self.micro_batch_size * self.dp_size
+        window = self.window
         if not isinstance(consumed, int) or consumed < 0 or consumed % window or consumed > len(self.dataset):
             raise BitdetInputError(
                 f"data position consumed_samples={consumed!r} is not a multiple of micro_batch_size x dp_size"
                 f" = {window} within the dataset's {len(self.dataset)} samples"
             )
-        self.consumed_samples = consumed
+        self.consumed_samples, self._drawn = consumed, 0
 
 
-def _check_sizes(seq_length, micro_batch_size, global_batch_size, dp_rank, dp_size, train_samples) -> None:
-    if min(seq_length, micro_batch_size, global_batch_size, dp_size, train_samples) <= 0:
-        raise BitdetInputError("seq_length, batch sizes, dp_size and train_samples must be positive")
+def _check_sizes(seq_length, micro_batch_size, global_batch_size, dp_rank, dp_size, train_samples,
+                 virtual_dp) -> None:
+    if min(seq_length, micro_batch_size, global_batch_size, dp_size, train_samples, virtual_dp) <= 0:
+        raise BitdetInputError("seq_length, batch sizes, dp_size, virtual_dp and train_samples must be positive")
     if not 0 <= dp_rank < dp_size:
         raise BitdetInputError(f"dp_rank {dp_rank} is outside [0, {dp_size})")
-    if global_batch_size % (micro_batch_size * dp_size):
+    if virtual_dp % dp_size:
+        raise BitdetInputError(f"virtual_dp {virtual_dp} is not a multiple of dp_size {dp_size}")
+    if global_batch_size % (micro_batch_size * virtual_dp):
         raise BitdetInputError(
             f"global_batch_size {global_batch_size} is not a multiple of micro_batch_size {micro_batch_size}"
-            f" x dp_size {dp_size}"
+            f" x dp_size {virtual_dp}"
         )
 
 
@@ -156,14 +175,16 @@ def _broadcast_from_rank0(payload, dist: bool):
 
 def build_train_data(data_cfg, *, seq_length: int, seed: int, micro_batch_size: int,
                      global_batch_size: int, dp_rank: int, dp_size: int, train_samples: int,
-                     cache_dir: str | os.PathLike | None = None) -> TrainData:
-    """Build (or reuse) the cached dataset and return this DP rank's resumable micro-batch iterator.
+                     cache_dir: str | os.PathLike | None = None, virtual_dp: int | None = None) -> TrainData:
+    """Build (or reuse) the cached dataset and return this DP rank's resumable micro-batch iterator
+    (``virtual_dp``: the virtual ranks it hosts a share of, ``determinism.virtual_dp``).
 
     Collective when torch.distributed is initialized: every rank of the world must call it (rank 0
     builds, the others wait for it). With NCCL, set the CUDA device first (object broadcast).
     """
     cfg = DataConfig.coerce(data_cfg)
-    _check_sizes(seq_length, micro_batch_size, global_batch_size, dp_rank, dp_size, train_samples)
+    _check_sizes(seq_length, micro_batch_size, global_batch_size, dp_rank, dp_size, train_samples,
+                 virtual_dp or dp_size)
     root = Path(cache_dir or cfg.cache_dir or default_cache_dir()).expanduser().resolve()
     sizes = [train_samples, None, None]
     index_key = xxhash.xxh3_64_hexdigest(repr((seed, seq_length, cfg.split, sizes)).encode())
@@ -204,4 +225,5 @@ def build_train_data(data_cfg, *, seq_length: int, seed: int, micro_batch_size: 
     identity = {"corpus_digest": payload["digest"], "index": index_key, "seed": seed,
                 "seq_length": seq_length, "global_batch_size": global_batch_size}
     return TrainData(train, valid, identity=identity, micro_batch_size=micro_batch_size,
-                     dp_rank=dp_rank, dp_size=dp_size, corpus_dir=corpus_dir, rebuilt=payload["rebuilt"])
+                     dp_rank=dp_rank, dp_size=dp_size, corpus_dir=corpus_dir, rebuilt=payload["rebuilt"],
+                     virtual_dp=virtual_dp)

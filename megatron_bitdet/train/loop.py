@@ -13,9 +13,10 @@ from pathlib import Path
 import torch
 
 from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
+from megatron_bitdet.kernels.reductions import pairwise_sum
 from megatron_bitdet.train.console import Console
-from megatron_bitdet.train.module_state import capture_module_rng
-from megatron_bitdet.train.step_fingerprints import StepDigests, moe_aux_losses, step_metrics
+from megatron_bitdet.train.module_state import capture_module_rng, restore_module_rng
+from megatron_bitdet.train.step_fingerprints import StepDigests, ddp_buffers, moe_aux_losses, step_metrics
 from megatron_bitdet.train.tracing import traced_optimizer_step, traced_step, untraced
 
 
@@ -61,31 +62,90 @@ _TRACKER_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_b
                   "global_aux_loss": "global_load_balancing_loss"}
 
 
-def _moe_aux_losses(recipe, num_microbatches: int) -> dict:
-    """Per-layer load-balancing losses reduced across ranks as Megatron-LM's ``track_moe_metrics``
-    does (PP sum, reduce group, DP average), then cleared. The reduction goes through moe_utils'
-    module global, so under the ``moe_aux_loss`` swap its rank-ordered sum is what runs."""
+def _tracked_name(recipe):
+    return _TRACKER_NAMES.get(recipe.model.moe.load_balancing) if recipe.model.has("E") else None
+
+
+def _tracker_entry(recipe, name: str) -> dict:
+    """The tracker's entry for ``name``; a pipeline stage without MoE layers gets zeros, so that it
+    still joins the PP-group sum."""
     from megatron.core.transformer.moe import moe_utils
 
-    name = _TRACKER_NAMES.get(recipe.model.moe.load_balancing) if recipe.model.has("E") else None
     tracker = moe_utils.get_moe_layer_wise_logging_tracker()
+    if name not in tracker:
+        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
+        tracker[name] = {"values": torch.zeros(len(recipe.model.hybrid_pattern), device=device),
+                         "reduce_group": None, "avg_group": None, "reduce_group_has_dp": False}
+    return tracker[name]
+
+
+def _take_aux(recipe):
+    """One hosted virtual rank's per-layer aux-loss sums (its micro-batches, in order), zeroed after."""
+    name = _tracked_name(recipe)
+    if name is None:
+        return None
+    values = _tracker_entry(recipe, name)["values"]
+    taken = values.clone()
+    values.zero_()
+    return taken
+
+
+def _gather(tensor, group) -> torch.Tensor:
+    """Every group member's ``tensor`` stacked along dim 0 in group-rank order (exact movement)."""
+    parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
+    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
+    return torch.cat(parts)
+
+
+def _virtual_aux_average(entry: dict, hosted: list) -> torch.Tensor:
+    """Megatron's PP sum and reduce-group sum, then the DP average as the pairwise tree over the virtual
+    ranks' values (gathered: physical ranks host contiguous virtual ranks) divided by V."""
+    from megatron.core import parallel_state as ps
+
+    from megatron_bitdet.kernels.moe_aux import rank_ordered_sum
+
+    values = rank_ordered_sum(torch.stack(hosted), ps.get_pipeline_model_parallel_group())
+    if entry.get("reduce_group") is not None:
+        values = rank_ordered_sum(values, entry["reduce_group"])
+    per_virtual = _gather(values, ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False))
+    average = pairwise_sum(per_virtual) / per_virtual.shape[0]
+    if entry.get("avg_group") is not None:
+        average = rank_ordered_sum(average, entry["avg_group"]) / torch.distributed.get_world_size(entry["avg_group"])
+    return average
+
+
+def _moe_aux_losses(recipe, num_microbatches: int, hosted=None) -> dict:
+    """Per-layer load-balancing losses reduced across ranks as Megatron-LM's ``track_moe_metrics``
+    does (PP sum, reduce group, DP average), then cleared. The reduction goes through moe_utils'
+    module global, so under the ``moe_aux_loss`` swap its rank-ordered sum is what runs. ``hosted``
+    (dp_invariant): the hosted virtual ranks' values, averaged over the virtual layout instead."""
+    from megatron.core.transformer.moe import moe_utils
+
+    name = _tracked_name(recipe)
     if name is not None:
-        if name not in tracker:  # a pipeline stage without MoE layers still joins the PP-group sum
-            device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-            tracker[name] = {"values": torch.zeros(len(recipe.model.hybrid_pattern), device=device),
-                             "reduce_group": None, "avg_group": None, "reduce_group_has_dp": False}
-        moe_utils.reduce_aux_losses_tracker_across_ranks([name])
+        entry = _tracker_entry(recipe, name)
+        if hosted is None:
+            moe_utils.reduce_aux_losses_tracker_across_ranks([name])
+        else:
+            entry["values"].copy_(_virtual_aux_average(entry, hosted))
     return moe_aux_losses(num_microbatches, names=[name] if name else [])
 
 
-def _lm_loss(losses_reduced):
-    """DP-averaged LM loss, as Megatron reports it (None off the last pipeline stage)."""
+def _lm_loss(losses_reduced, virtual=None):
+    """DP-averaged LM loss, as Megatron reports it (None off the last pipeline stage). ``virtual``
+    (dp_invariant): every micro-batch's (loss sum, tokens) gathered in global micro-batch order and
+    added by the pairwise tree, the same bits at any DP."""
     from megatron.core import parallel_state as ps
 
     if not losses_reduced:
         return None
-    total = torch.stack([x["lm loss"] for x in losses_reduced]).sum(dim=0)
-    torch.distributed.all_reduce(total, group=ps.get_data_parallel_group(with_context_parallel=True))
+    group = ps.get_data_parallel_group(with_context_parallel=True)
+    per_microbatch = torch.stack([x["lm loss"] for x in losses_reduced])
+    if virtual is None:
+        total = per_microbatch.sum(dim=0)
+        torch.distributed.all_reduce(total, group=group)
+    else:
+        total = pairwise_sum(_gather(per_microbatch, group))
     return total[0] / total[1]
 
 
@@ -95,6 +155,40 @@ class StepOutput:
     ok: bool              # False: the optimizer skipped the step
     grad_norm: float | None
     lr: float             # the learning rate the step used
+    hosted_aux: list | None = None  # dp_invariant: each hosted virtual rank's per-layer aux-loss sums
+
+
+def _hosted_forward_backward(state, run) -> tuple[list, list]:
+    """dp_invariant: each hosted virtual rank's micro-batches, from the step's RNG state (a rank at
+    DP = V starts there too: megatron's seeds do not depend on the DP rank) into zeroed buffers; the
+    hosted gradients added by ``GradTree``; then megatron's finalize once (1/V scaling, the cross-rank
+    pairwise tree). Returns the micro-batch loss reports and each virtual rank's aux-loss values."""
+    from megatron_bitdet.train.checkpoint import capture_rng, restore_rng
+    from megatron_bitdet.train.reductions import GradTree
+
+    config, model, hosted = state.config, state.ddp_modules, state.virtual.hosted
+    chunks = [m.module for m in model]
+    tree = GradTree(ddp_buffers(model, "grad_data")) if hosted > 1 else None
+    start = (capture_rng(), capture_module_rng(chunks)) if hosted > 1 else None
+    finalize, config.finalize_model_grads_func = config.finalize_model_grads_func, None
+    losses, aux = [], []
+    try:
+        for h in range(hosted):
+            if h:
+                restore_rng(start[0])
+                restore_module_rng(chunks, start[1], source="the step's start")
+                for m in model:
+                    m.zero_grad_buffer()
+            losses += run()
+            aux.append(_take_aux(state.recipe))
+            if tree is not None:
+                tree.push()
+        if tree is not None:
+            tree.write_back()
+    finally:
+        config.finalize_model_grads_func = finalize
+    finalize(model, None)
+    return losses, None if aux[0] is None else aux
 
 
 def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, digests: StepDigests | None = None,
@@ -107,19 +201,24 @@ def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, dig
     for m in model:
         m.zero_grad_buffer()
     state.optimizer.zero_grad()
+    hosted_aux = None
     with traced_step(tracer, state.config, model, step) as tr:
-        losses = forward_backward(
-            forward_step_func=forward_step, data_iterator=data if batches is None else batches, model=model,
-            num_microbatches=data.num_microbatches, seq_length=recipe.model.seq_length,
+        run = partial(
+            forward_backward, forward_step_func=forward_step, data_iterator=data if batches is None else batches,
+            model=model, num_microbatches=data.num_microbatches, seq_length=recipe.model.seq_length,
             micro_batch_size=recipe.training.micro_batch_size, forward_only=False,
         )
+        if state.virtual is None:
+            losses = run()
+        else:
+            losses, hosted_aux = _hosted_forward_backward(state, run)
         if digests is not None:
             with untraced(tr):
                 digests.grads(step)
         ok, grad_norm, _ = traced_optimizer_step(tr, state.optimizer, model)
     lr = state.optimizer.param_groups[0]["lr"]
     state.scheduler.step(increment=1)
-    return StepOutput(losses, ok, grad_norm, lr)
+    return StepOutput(losses, ok, grad_norm, lr, hosted_aux)
 
 
 def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root, save_interval: int,
@@ -154,8 +253,8 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             digests.state(step)
             losses, ok, grad_norm, lr = out.losses, out.ok, out.grad_norm, out.lr
             elapsed = time.perf_counter() - t0
-            lm_loss = _lm_loss(losses)
-            aux = _moe_aux_losses(recipe, data.num_microbatches)
+            lm_loss = _lm_loss(losses, state.virtual)
+            aux = _moe_aux_losses(recipe, data.num_microbatches, out.hosted_aux)
             metrics = step_metrics(lm_loss=lm_loss, aux=aux, aux_coeff=moe_coeff, grad_norm=grad_norm, lr=lr)
             aux_total = metrics["aux_loss"]
             line = writer.write(step, metrics, *digests.resolve())

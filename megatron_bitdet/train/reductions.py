@@ -4,16 +4,28 @@ c10d's float reductions are rebound wherever they are bound — torch.distribute
 import-time aliases (``dist_reduce_scatter_func``) — through the same swap the tracer uses, so DDP's
 bucket all-reduce / distributed-optimizer reduce-scatter, the TP/SP mappings and the scalar
 all-reduces (loss, grad norm) all go through :mod:`megatron_bitdet.kernels.reductions`.
+
+``dp_invariant`` (``virtual_dp: V``) makes the bits independent of the data-parallel size: the
+cross-rank sums are :func:`~megatron_bitdet.kernels.reductions.pairwise_sum` trees over the group's
+ranks, every DDP bucket scales by 1/V instead of 1/DP, the grad norm is the partition-free
+:func:`~megatron_bitdet.kernels.reductions.exact_square_sum`, and a physical rank hosting V/DP
+contiguous virtual ranks (:class:`VirtualLayout`) runs each one's micro-batches from the step's RNG
+state into a zeroed buffer and adds the hosted gradients by the lower levels of the same tree
+(:class:`GradTree`); the loop's scalars follow the same structure (``train.loop``).
 """
 from __future__ import annotations
 
 import contextlib
+import math
 import os
+from dataclasses import dataclass
 
 from megatron_bitdet.enforce.env import EMULATED_RING_ENV
+from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.kernels import reductions as kernels
 
-MODES = ("native", "topology_invariant")
+MODES = ("native", "topology_invariant", "dp_invariant")
+_IDS = {"topology_invariant": "topology_invariant_reductions", "dp_invariant": "dp_invariant_reductions"}
 _INSTALLED = contextlib.ExitStack()
 _RECORD: dict = {}
 
@@ -33,6 +45,17 @@ def active(mode: str):
         yield bindings
 
 
+def exact_grad_norm(original):
+    """megatron's ``get_grad_norm_fp32`` with the 2-norm's squares summed by ``exact_square_sum``
+    (whatever the distributed optimizer's shard boundaries); other norms stay megatron's."""
+    def get_grad_norm_fp32(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+        if norm_type != 2:
+            return original(grads_for_norm, norm_type=norm_type, grad_stats_parallel_group=grad_stats_parallel_group)
+        grads = [grads_for_norm] if hasattr(grads_for_norm, "numel") else list(grads_for_norm)
+        return math.sqrt(kernels.exact_square_sum(grads, grad_stats_parallel_group))
+    return get_grad_norm_fp32
+
+
 def install(mode: str) -> dict | None:
     """Install once per process; returns the manifest record (None when c10d's reductions stay)."""
     if _RECORD:
@@ -41,9 +64,97 @@ def install(mode: str) -> dict | None:
     if reductions is None:
         return None
     bindings = _INSTALLED.enter_context(active(mode))
+    if mode == "dp_invariant":
+        from megatron.core.optimizer import optimizer as megatron_optimizer
+
+        from megatron_bitdet.compat.rebind import megatron_modules, rebound
+
+        original = megatron_optimizer.get_grad_norm_fp32
+        norm = _INSTALLED.enter_context(rebound({original: exact_grad_norm(original)}, megatron_modules()))
+        bindings = [*bindings, *(f"{m.__name__}:{a}" for m, a, _ in norm)]
     _RECORD.update(
-        id="topology_invariant_reductions" if mode == "topology_invariant" else "emulated_ring_reductions",
+        id=_IDS.get(mode, "emulated_ring_reductions"),
         mode=mode, transport=type(reductions.transport).__name__,
         emulated_ring_seed=os.environ.get(EMULATED_RING_ENV), bindings=sorted(bindings),
     )
     return dict(_RECORD)
+
+
+@dataclass(frozen=True)
+class VirtualLayout:
+    """This rank's place in ``dp_invariant``'s virtual layout: it hosts virtual ranks
+    ``first .. first + hosted - 1`` of ``virtual_dp``."""
+
+    virtual_dp: int
+    dp_size: int
+    dp_rank: int
+
+    @property
+    def hosted(self) -> int:
+        return self.virtual_dp // self.dp_size
+
+    @property
+    def first(self) -> int:
+        return self.dp_rank * self.hosted
+
+    def record(self, grad_bytes: int) -> dict:
+        """The manifest's account of what the mode applies on this rank."""
+        extra, h = GradTree.depth(self.hosted), self.hosted
+        return {"virtual_dp": self.virtual_dp, "dp_size": self.dp_size, "hosted_per_rank": h,
+                "hosted_virtual_ranks": {str(r): [r * h, r * h + h - 1] for r in range(self.dp_size)},
+                "gradient_scaling": f"1/{self.virtual_dp}", "extra_grad_buffers": extra,
+                "extra_grad_bytes": extra * grad_bytes}
+
+
+def virtual_layout(recipe) -> VirtualLayout | None:
+    """The layout once megatron's parallel state exists (None unless ``dp_invariant``)."""
+    from megatron.core import parallel_state as ps
+
+    d = recipe.determinism
+    if d.reductions != "dp_invariant":
+        return None
+    dp = ps.get_data_parallel_world_size()
+    issue = d.virtual_dp_issue(dp)
+    if issue:
+        raise BitdetInputError(issue)
+    return VirtualLayout(d.virtual_dp, dp, ps.get_data_parallel_rank())
+
+
+def scale_by_virtual_dp(ddp_modules, virtual_dp: int) -> None:
+    """Every DDP bucket pre-scales its gradients by 1/V (megatron: 1/DP). V is a power of two, so
+    scaling commutes exactly with the sums (subnormals aside) and the hosted tree's scaled total
+    equals V scaled leaves."""
+    for m in ddp_modules:
+        for buffer in (*m.buffers, *m.expert_parallel_buffers):
+            for bucket in buffer.buckets:
+                bucket.gradient_scaling_factor = 1.0 / virtual_dp
+
+
+class GradTree:
+    """The hosted virtual ranks' gradients added by the lower levels of the pairwise tree, as a binary
+    counter: a finished virtual rank's buffers are added to the pending partial of the same level
+    (earlier on the left), carrying upward; at most log2(hosted) partial copies are held at once."""
+
+    def __init__(self, buffers: list):
+        self.buffers = buffers      # the live DDP grad buffers backward accumulates into
+        self.partials: list = []    # (level, [copies of the buffers])
+
+    @staticmethod
+    def depth(hosted: int) -> int:
+        return hosted.bit_length() - 1
+
+    def push(self) -> None:
+        """Take the buffers' current contents as the next leaf (the caller zeroes them after)."""
+        carry, level = None, 0
+        while self.partials and self.partials[-1][0] == level:
+            _, left = self.partials.pop()
+            carry = [a.add_(b) for a, b in zip(left, self.buffers if carry is None else carry)]
+            level += 1
+        self.partials.append((level, [b.clone() for b in self.buffers] if carry is None else carry))
+
+    def write_back(self) -> None:
+        """Put the hosted total into the buffers for megatron's cross-rank reduction."""
+        (_, total), = self.partials
+        for b, t in zip(self.buffers, total):
+            b.copy_(t)
+        self.partials.clear()

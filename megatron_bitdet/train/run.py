@@ -74,6 +74,8 @@ def check_layout(recipe, nproc: int) -> None:
             raise BitdetInputError(f"model.moe.num_experts={recipe.model.moe.num_experts} is not divisible by "
                                    f"parallel.expert={p.expert}")
     dp = nproc // model_parallel
+    if issue := recipe.determinism.virtual_dp_issue(dp):
+        raise BitdetInputError(issue)
     t = recipe.training
     if t.lr_schedule.warmup_iters >= t.iterations:
         raise BitdetInputError(f"training.lr_schedule.warmup_iters={t.lr_schedule.warmup_iters} must be < "

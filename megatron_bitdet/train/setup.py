@@ -19,6 +19,7 @@ class TrainState:
     enforcement: object
     patches: list
     cpu_seams: list
+    virtual: object = None  # train.reductions.VirtualLayout under dp_invariant: the virtual ranks hosted here
 
 
 def set_seeds(seed: int) -> None:
@@ -114,6 +115,7 @@ def build_trainable(recipe, *, swaps, provider, enforcement=None, patches=(), se
     from megatron.core.distributed import finalize_model_grads
 
     from megatron_bitdet.model.builder import transformer_config
+    from megatron_bitdet.train.reductions import scale_by_virtual_dp, virtual_layout
 
     set_seeds(recipe.training.seed)
     config = transformer_config(recipe, swapped=[s["id"] for s in swaps])
@@ -122,7 +124,15 @@ def build_trainable(recipe, *, swaps, provider, enforcement=None, patches=(), se
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp_modules[0].no_sync
-    return TrainState(recipe, config, ddp_modules, optimizer, scheduler, enforcement, list(patches), list(seams))
+    virtual = virtual_layout(recipe)
+    patches = list(patches)
+    if virtual is not None:
+        scale_by_virtual_dp(ddp_modules, virtual.virtual_dp)
+        grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
+                         for m in ddp_modules for b in (*m.buffers, *m.expert_parallel_buffers))
+        patches = [{**p, "virtual_layout": virtual.record(grad_bytes)} if p.get("id") == "dp_invariant_reductions"
+                   else p for p in patches]
+    return TrainState(recipe, config, ddp_modules, optimizer, scheduler, enforcement, patches, list(seams), virtual)
 
 
 def setup(recipe, enforcement, *, provider) -> TrainState:

@@ -84,7 +84,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
         data = build_train_data(
             recipe.data, seq_length=recipe.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
             global_batch_size=t.global_batch_size, dp_rank=ps.get_data_parallel_rank(), dp_size=dp_size,
-            train_samples=t.iterations * t.global_batch_size,
+            train_samples=t.iterations * t.global_batch_size, virtual_dp=recipe.determinism.virtual_dp,
         )
     console = Console(active=rank == world_size - 1, total=t.iterations)
     start = 0
