@@ -3,8 +3,9 @@ time digested per rank per step at data-parallel 1 / 2 / 4 (the figures docs/SCA
 
 1. Throughput on this CPU, 1 MiB to 4 GiB (capped by ``--max-bytes`` and by a third of the memory
    available), best of ``--repeats``: memcpy (``copy_`` into a preallocated tensor); the per-step
-   device digest's row pass (``fingerprint.shards._row_sums`` over 4 KiB rows: pos64r, what runs on a
-   GPU tensor; its second level reads 1/512 of that); the snapshot digests' pos64 (``fingerprint.
+   device digest's row pass (``fingerprint.shards.row_sums`` over 4 KiB rows: pos64r, what runs on a
+   GPU tensor; its second level reads 1/512 of that), as eager torch ops and compiled into one kernel
+   (``torch.compile``: C++ here, Triton on CUDA, where it is the default); the snapshot digests' pos64 (``fingerprint.
    tensor.row_digests`` over 1 MiB chunks); the CPU host fast path (xxh3_64) and format v1's
    xxh3_128 of the host bytes; ``torch.hash_tensor``.
 2. Per rank per step, DP 1 / 2 / 4 on gloo (``parallel.expert=1``: every rank is a data-parallel
@@ -78,7 +79,8 @@ def throughput(max_bytes: int, repeats: int) -> list[dict]:
         src = torch.randint(-2**31, 2**31 - 1, (size // 4,), dtype=torch.int32).view(torch.float32)
         dst = torch.empty_like(src)
         ops = {"memcpy": lambda: dst.copy_(src),
-               "pos64r row pass (step)": lambda: shards._row_sums(src.view(torch.int64).view(-1, shards.ROW_WORDS)),
+               "pos64r row pass, eager": lambda: shards.row_sums(src.view(torch.int64).view(-1, shards.ROW_WORDS), False),
+               "pos64r row pass, fused": lambda: shards.row_sums(src.view(torch.int64).view(-1, shards.ROW_WORDS), True),
                "pos64 chunks (snapshot)": lambda: row_digests(src.view(torch.uint8).view(-1, CHUNK_BYTES)),
                "xxh3_64 (CPU fast path)": lambda: xxhash.xxh3_64_hexdigest(memoryview(src.numpy())),
                "xxh3_128 (format v1)": lambda: exact_digest(src)}
@@ -160,8 +162,9 @@ H100_BF16 = 989e12        # FLOP/s, dense BF16 (datasheet)
 MFU = 0.40
 TOKENS = 768 * 8192       # global batch: 768 sequences x 8192 tokens (the issue's assumption)
 CHECK_K = 4               # fingerprint.shards.CHECK_CHUNKS: the replica check adds 1/K of a replicated slice
-PASSES = 8                # bytes moved per byte by shards._row_sums as coded (add 16, shift 16, xor 24, sum 8 per 8)
-BLOCK = 256 * MiB         # its row block on a GPU (shards._DEVICE_BLOCK_WORDS x 8): 4 kernels a block
+PASSES = 1                # bytes moved per byte by the fused row pass (shards.fused_row_pass: each word read once)
+EAGER_PASSES = 8          # its eager fallback (add 16, shift 16, xor 24, sum 8 per 8 bytes)
+BLOCK = 256 * MiB         # the eager fallback's row block on a GPU (shards._DEVICE_BLOCK_WORDS x 8): 4 kernels a block
 KERNEL_S = 2e-6           # GPU time floor of one small queued kernel
 LEVEL2_KERNELS = 8        # per device and step: cat, keys, add, shift, xor, per-job sums (shards.Pending.launch)
 LEAF_BYTES = 150          # a digest file's bytes per tensor leaf besides its chunk digests (names, dtype, shape)
@@ -200,14 +203,17 @@ def projection_rows() -> list[dict]:
             if experts:
                 jobs += sharded_regions(experts / (ep * pp), edp)
             new = sum(jobs)
-            kernels = sum(4 * -(-b // BLOCK) for b in jobs) + LEVEL2_KERNELS
+            kernels = len(jobs) + LEVEL2_KERNELS  # fused: one kernel a job's matrix (a DDP buffer's bytes)
+            eager_kernels = sum(4 * -(-b // BLOCK) for b in jobs) + LEVEL2_KERNELS
             t_today = today / D2H + today / HOST_XXH3
             t_ideal = new / H100_HBM
             t_coded = new * PASSES / H100_HBM + kernels * KERNEL_S
+            t_eager = new * EAGER_PASSES / H100_HBM + eager_kernels * KERNEL_S
             snapshot_old = 2 * p_rank + 12 * p_rank / dp  # bf16 params + fp32 main, exp_avg, exp_avg_sq (distopt)
             rows.append({"model": name, "gpus": n, "tp": tp, "pp": pp, "ep": ep, "dp": dp, "step_s": step,
                          "today_bytes": today, "today_s": t_today, "new_bytes": new, "ideal_s": t_ideal,
-                         "coded_s": t_coded, "kernels": kernels, "snapshot_old": snapshot_old,
+                         "coded_s": t_coded, "kernels": kernels, "eager_s": t_eager,
+                         "eager_kernels": eager_kernels, "snapshot_old": snapshot_old,
                          # 16 hex digits + 3 JSON bytes per MiB chunk, plus each leaf's own fields
                          "snapshot_new": snapshot_old / MiB * 19 + LEAVES * LEAF_BYTES})
     return rows
@@ -227,14 +233,15 @@ def _t(s: float) -> str:
 def print_projection() -> None:
     """The cost model's tables as markdown (docs/SCALE.md holds their output)."""
     print("| model | GPUs | TP/PP/EP, DP | step | today: bytes/rank | today: time | today: % | "
-          "sharded: bytes/rank | sharded: time at HBM | sharded: % | as coded: time | as coded: % |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "sharded: bytes/rank | sharded: time at HBM | sharded: % | as coded (fused): time | as coded: % | "
+          "eager fallback: time | eager: % |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in projection_rows():
         pct = lambda t: f"{t / r['step_s'] * 100:.3g}%"  # noqa: E731
         print(f"| {r['model']} | {r['gpus']:,} | {r['tp']}/{r['pp']}/{r['ep']}, {r['dp']} | {_t(r['step_s'])} | "
               f"{_b(r['today_bytes'])} | {_t(r['today_s'])} | {pct(r['today_s'])} | {_b(r['new_bytes'])} | "
               f"{_t(r['ideal_s'])} | {pct(r['ideal_s'])} | {_t(r['coded_s'])} ({r['kernels']:.0f} kernels) | "
-              f"{pct(r['coded_s'])} |")
+              f"{pct(r['coded_s'])} | {_t(r['eager_s'])} ({r['eager_kernels']:.0f} kernels) | {pct(r['eager_s'])} |")
     print("\n| model | GPUs | full-state snapshot per rank | all ranks | digest snapshot per rank | all ranks |")
     print("|---|---|---|---|---|---|")
     for r in projection_rows():

@@ -2,6 +2,8 @@
 GPU) and the host fast path give the same chunks and slices; a replica's check of a chunk equals its
 owner's; one flipped bit, a permutation, a moved zero are seen; the result does not depend on the
 block size the rows are read in."""
+import warnings
+
 import pytest
 import torch
 
@@ -110,6 +112,29 @@ def test_device_digest_does_not_depend_on_the_block_size(monkeypatch):
     for rows in (1, 3, 1000):
         monkeypatch.setitem(shards._BLOCK_WORDS, "cpu", rows * shards.ROW_WORDS)
         assert digest_rows([x], chunks=3) == want
+
+
+def test_fused_row_pass_gives_the_eager_bits_and_a_flip_changes_them(monkeypatch):
+    """The compiled row pass (what runs on CUDA; C++ here) against the eager blocks, bit for bit, over
+    a region of odd sizes, a misaligned view and several row counts (dynamic shapes)."""
+    monkeypatch.setattr(shards, "DEVICE_PATH_ON_CPU", True)
+    base = torch.randn(70001)
+    region = [base, torch.randn(3, 517).to(torch.bfloat16), base[1:4097], torch.arange(9, dtype=torch.int8)]
+    monkeypatch.setenv("BITDET_DIGESTS_FUSED", "0")
+    monkeypatch.setattr(shards, "_FUSED", {})
+    want = [digest_rows(region, chunks=3), digest_rows([base[:5000]]), digest_rows([base[:77]])]
+    assert shards.fused_row_pass("cpu") is None
+    monkeypatch.setenv("BITDET_DIGESTS_FUSED", "1")
+    monkeypatch.setattr(shards, "_FUSED", {})
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        got = [digest_rows(region, chunks=3), digest_rows([base[:5000]]), digest_rows([base[:77]])]
+    # a compiler failure falls back with a warning (and the eager bits): here it must not have
+    assert not [w for w in seen if "fused digest kernel" in str(w.message)]
+    assert shards.fused_row_pass("cpu") is not None and got == want
+    flipped = base.clone()
+    flipped.view(torch.int32)[1234] ^= 1 << 7
+    assert digest_rows([flipped[:5000]]) != want[1]
 
 
 def _as_v2(step, rank, line):
