@@ -16,6 +16,8 @@ from megatron_bitdet.cli.train_cmd import add_run_args, load_run_recipe
 EXAMPLES = """examples:
   bitdet verify-resume --recipe nemotron_h_tiny --resume-at 2,5
   bitdet verify-resume --recipe R --resume-at 4 --out runs/vr --json training.iterations=8
+  bitdet verify-resume --recipe R --nproc 4 --resume-nproc 2 --resume-at 2 \
+      determinism.reductions=dp_invariant determinism.virtual_dp=4   # saved at DP 4, resumed at DP 2
   bitdet verify-resume --megatron-lm $MEGATRON_LM_PATH/pretrain_mamba.py --resume-at 2 --out runs/vr \
       -- --deterministic-mode --train-iters 4 ...   # Megatron-LM's own --save/--load checkpoints
 
@@ -35,6 +37,9 @@ def register(subparsers, summary: str) -> None:
     p.add_argument("--out", metavar="DIR", help="where the runs go (default runs/verify_resume/<recipe name>)")
     p.add_argument("--reference", metavar="RUN_DIR",
                    help="reuse an uninterrupted run of the same recipe that snapshotted every resume step")
+    p.add_argument("--resume-nproc", type=int, metavar="N",
+                   help="run the resumed segments on N ranks (the reference and the first segment on --nproc): a "
+                        "checkpoint resharded across data-parallel sizes; needs determinism.reductions=dp_invariant")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.add_argument("--full-snapshots", action="store_true",
                    help="every snapshot also keeps its tensors in full (snapshots/iter_K/rank_R.full.pt; the "
@@ -54,9 +59,14 @@ def run(args) -> int:
     from megatron_bitdet.errors import BitdetInputError
     from megatron_bitdet.workflows.resume import check_resume_at, parse_resume_at, verify_resume
 
+    if args.resume_nproc is not None and args.resume_nproc < 1:
+        raise BitdetInputError(f"--resume-nproc {args.resume_nproc}: must be a positive number of ranks")
     if args.megatron_lm:
         from megatron_bitdet.workflows.megatron_resume import verify_megatron_resume
 
+        if args.resume_nproc is not None:
+            raise BitdetInputError("--resume-nproc: resuming at another data-parallel size is built for bitdet "
+                                   "train runs (--recipe); Megatron-LM runs resume at their own --nproc")
         report = verify_megatron_resume(
             args.megatron_lm, launch_line_after_dashes(args), parse_resume_at(args.resume_at), nproc=args.nproc,
             skip_restore=args.skip_restore,
@@ -75,7 +85,7 @@ def run(args) -> int:
     report = verify_resume(
         recipe, resume_at, nproc=args.nproc, out_dir=args.out or os.path.join("runs", "verify_resume", recipe.name),
         model_provider=args.model_provider, faults=args.fault_skip_restore, reference_dir=args.reference,
-        full_snapshots=args.full_snapshots,
+        full_snapshots=args.full_snapshots, resume_nproc=args.resume_nproc,
     )
     return _print_report(report, args)
 

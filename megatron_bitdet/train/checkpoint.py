@@ -7,6 +7,13 @@ tracker) and the data position, per rank. A save is atomic: shards go to ``iter_
 after every rank finished does rank 0 write ``bitdet_meta.json`` (digests of every file) and rename
 the directory, then ``latest``. A directory without that file is incomplete by definition, and a
 digest mismatch on load is reported as corruption.
+
+Across data-parallel sizes: the metadata records every saving rank's coordinates (``ranks``). A load at
+another world size with the same tensor / pipeline / context / expert layout reshards the model and the
+distributed optimizer along DP (``dp_reshardable``, megatron-core's contract) and takes its per-rank state
+(RNG, data position) from a saved rank with its own model-parallel coordinates; the saved DP ranks must
+hold that state identically (megatron's seeds do not depend on the DP rank, and the data position is a
+global sample count), else the resume is refused: no saved rank would be the right one.
 """
 from __future__ import annotations
 
@@ -14,6 +21,7 @@ import json
 import os
 import random
 import shutil
+import struct
 from pathlib import Path
 
 import numpy as np
@@ -70,7 +78,50 @@ def restore_rng(state: dict, *, skip: frozenset = frozenset()) -> None:
 # ----------------------------------------------------------------------------- state dict
 
 
-def _sharded_state_dict(ddp_modules, optimizer, *, rank: int, world: int, extra: dict, is_loading: bool):
+# A rank's place in the layout: its model-parallel coordinates (which decide its shards and its
+# TP / expert RNG streams) and its data-parallel rank.
+_MODEL_PARALLEL = ("tp", "pp", "cp", "ep", "etp")
+
+
+def rank_coordinates() -> dict:
+    """This rank's ``_MODEL_PARALLEL`` coordinates and ``dp`` rank, from megatron's parallel state."""
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_rank(), "pp": ps.get_pipeline_model_parallel_rank(),
+            "cp": ps.get_context_parallel_rank(), "ep": ps.get_expert_model_parallel_rank(),
+            "etp": ps.get_expert_tensor_parallel_rank(), "dp": ps.get_data_parallel_rank()}
+
+
+def layout(parallel, world: int) -> list[dict]:
+    """Every rank's ``rank_coordinates`` at ``world`` ranks under a recipe's ``parallel`` section, as
+    megatron-core's ``initialize_model_parallel`` (default order) assigns them, without process groups."""
+    from megatron.core.parallel_state import RankGenerator
+
+    p, order = parallel, "tp-cp-ep-dp-pp"
+    etp = p.expert_tensor or p.tensor
+    dense = RankGenerator(tp=p.tensor, ep=1, dp=world // (p.tensor * p.pipeline * p.context), pp=p.pipeline,
+                          cp=p.context, order=order)
+    expert = RankGenerator(tp=etp, ep=p.expert, dp=world // (etp * p.expert * p.pipeline), pp=p.pipeline, cp=1,
+                           order=order)
+    coords = [{} for _ in range(world)]
+    for generator, names in ((dense, {"tp": "tp", "pp": "pp", "cp": "cp", "dp": "dp"}),
+                             (expert, {"ep": "ep", "etp": "tp"})):
+        for key, token in names.items():
+            for group in generator.get_ranks(token):
+                for index, r in enumerate(group):
+                    coords[r][key] = index
+    return coords
+
+
+def source_ranks(saved: list, coords: dict) -> list[int]:
+    """The saved ranks with ``coords``' model-parallel coordinates, their DP rank ascending: the
+    ranks whose per-rank state a rank at these coordinates may continue from (any, under another DP)."""
+    same = [r for r, c in enumerate(saved) if all(c.get(k) == coords[k] for k in _MODEL_PARALLEL)]
+    return sorted(same, key=lambda r: saved[r].get("dp", 0))
+
+
+def _sharded_state_dict(ddp_modules, optimizer, *, rank: int, world: int, extra: dict, is_loading: bool,
+                        saved_world: int | None = None):
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     model_sd = {}
@@ -83,10 +134,17 @@ def _sharded_state_dict(ddp_modules, optimizer, *, rank: int, world: int, extra:
         flat_model.update(sd)
     state = dict(model_sd)
     state["optimizer"] = optimizer.sharded_state_dict(flat_model, is_loading=is_loading, metadata=SHARDED_METADATA)
-    # Per-rank state: one ShardedObject slot per rank.
-    state["bitdet_rank_state"] = ShardedObject(
-        "bitdet_rank_state", extra.get("rank_state"), (world,), (rank,), replica_id=0
-    )
+    # Per-rank state: one ShardedObject slot per rank. A load at another world size (``saved_world``)
+    # reads every saved slot on every rank (rank 0's copies the main replicas) and picks its own after.
+    if saved_world is None:
+        state["bitdet_rank_state"] = ShardedObject(
+            "bitdet_rank_state", extra.get("rank_state"), (world,), (rank,), replica_id=0
+        )
+    else:
+        state["bitdet_rank_state"] = {
+            r: ShardedObject("bitdet_rank_state", None, (saved_world,), (r,), replica_id=rank)
+            for r in range(saved_world)
+        }
     state["scheduler"] = extra.get("scheduler")
     state["iteration"] = extra.get("iteration")
     return state
@@ -121,9 +179,11 @@ def save_checkpoint(root, iteration: int, *, ddp_modules, optimizer, scheduler, 
         extra={"rank_state": rank_state, "scheduler": scheduler.state_dict(), "iteration": iteration},
     )
     dist_checkpointing.save(state, str(tmp))
-    dist.barrier()
+    ranks = [None] * world
+    dist.all_gather_object(ranks, rank_coordinates())
     if rank == 0:
-        meta = {"iteration": iteration, "world_size": world, "files": _file_digests(tmp), "manifest": manifest}
+        meta = {"iteration": iteration, "world_size": world, "ranks": ranks, "files": _file_digests(tmp),
+                "manifest": manifest}
         with open(tmp / META, "wb") as f:
             f.write(_meta_bytes(meta))
             f.flush()
@@ -208,21 +268,20 @@ def verify_checkpoint(path: Path) -> dict:
 
 
 def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int) -> tuple[int, dict]:
-    """Collective. Restores model, optimizer, scheduler; returns (iteration, this rank's state)."""
+    """Collective. Restores model, optimizer, scheduler; returns (iteration, this rank's state). A
+    checkpoint saved at another world size loads when only the data-parallel size differs (module
+    docstring)."""
     from megatron.core import dist_checkpointing
 
     path = resolve_checkpoint(path)
     meta = verify_checkpoint(path)
-    if meta.get("world_size") != world_size:
-        raise BitdetInputError(
-            f"{path}: saved with world size {meta.get('world_size')}, resuming with {world_size}; a bitwise "
-            "resume needs the same layout"
-        )
     rank = torch.distributed.get_rank()
+    sources = None if meta["world_size"] == world_size else _cross_dp_sources(path, meta)
     prepare_optimizer_for_load(optimizer)
     template = _sharded_state_dict(
         ddp_modules, optimizer, rank=rank, world=world_size, is_loading=True,
         extra={"rank_state": None, "scheduler": None, "iteration": None},
+        saved_world=None if sources is None else meta["world_size"],
     )
     state = dist_checkpointing.load(template, str(path))
     keys = [k for k in state if k.startswith("model")]
@@ -232,4 +291,63 @@ def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int)
     # The fp32 source is restored; the 16-bit compute copy is rebuilt from it the way training does.
     rebuild_compute_copy(optimizer)
     scheduler.load_state_dict(state["scheduler"])
-    return int(state["iteration"]), state["bitdet_rank_state"]
+    rank_state = state["bitdet_rank_state"]
+    if sources is not None:
+        rank_state = _one_rank_state(path, {r: rank_state[r] for r in sources})
+    return int(state["iteration"]), rank_state
+
+
+def _cross_dp_sources(path: Path, meta: dict) -> list[int]:
+    """The saved ranks this rank continues from at another world size (``source_ranks``); refused
+    when the checkpoint does not record its layout or no saved rank has this rank's coordinates."""
+    saved = meta.get("ranks")
+    here = f"{path}: saved with world size {meta['world_size']}, resuming with {torch.distributed.get_world_size()}"
+    if not isinstance(saved, list) or len(saved) != meta["world_size"] or not all(isinstance(c, dict) for c in saved):
+        raise BitdetInputError(f"{here}, but the checkpoint does not record its ranks' layout (saved by an earlier "
+                               f"bitdet): resume it with --nproc {meta['world_size']}")
+    coords = rank_coordinates()
+    sources = source_ranks(saved, coords)
+    if not sources:
+        mp = ", ".join(f"{k}={coords[k]}" for k in _MODEL_PARALLEL)
+        raise BitdetInputError(f"{here}: no saved rank has this rank's model-parallel coordinates ({mp}); only the "
+                               "data-parallel size may change across a resume (keep parallel.tensor / pipeline / "
+                               "context / expert as saved)")
+    return sources
+
+
+def _one_rank_state(path: Path, loaded: dict) -> dict:
+    """The per-rank state of the first of the saved DP ranks ``loaded`` holds (rank -> state), after
+    checking they all hold it identically: otherwise which one continues would change the run."""
+    ranks = sorted(loaded, key=int)
+    first = loaded[ranks[0]]
+    for r in ranks[1:]:
+        where = _first_difference(first, loaded[r])
+        if where is not None:
+            raise BitdetInputError(
+                f"{path}: saved ranks {ranks[0]} and {r} (the same model-parallel coordinates, different "
+                f"data-parallel ranks) hold different per-rank state at {where}: a resume at another "
+                "data-parallel size has no single state to continue from; resume with the saved --nproc")
+    return first
+
+
+def _first_difference(a, b, where: str = "") -> str | None:
+    """The first key path at which two per-rank states differ (tensors by their bytes), or None."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in dict.fromkeys([*a, *b]):
+            if key not in a or key not in b:
+                return f"{where}.{key}".lstrip(".")
+            found = _first_difference(a[key], b[key], f"{where}.{key}")
+            if found is not None:
+                return found.lstrip(".")
+        return None
+    if torch.is_tensor(a) and torch.is_tensor(b):
+        same = (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(
+            *(t.detach().reshape(-1).contiguous().view(torch.uint8) for t in (a, b)))
+        return None if same else where or "."
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        if type(a) is not type(b) or len(a) != len(b):
+            return where or "."
+        return next((d for i, (x, y) in enumerate(zip(a, b)) if (d := _first_difference(x, y, f"{where}[{i}]"))), None)
+    if isinstance(a, float) and isinstance(b, float):
+        return None if struct.pack("<d", a) == struct.pack("<d", b) else where or "."
+    return None if type(a) is type(b) and a == b else where or "."

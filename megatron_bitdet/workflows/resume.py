@@ -10,6 +10,15 @@ component that is restored but not re-saved (or saved but not restored) breaks t
 segments together cover the whole run without the reference's process ever lending state.
 The reference therefore saves nothing; it only snapshots and fingerprints.
 
+Across data-parallel sizes (``resume_nproc``): segment 0 runs at the reference's ``nproc`` and saves
+there; every resumed segment runs at ``resume_nproc``, so the first restore crosses DP (the checkpoint
+reshards, ``train.checkpoint``). Each resumed rank's state is compared with the reference rank whose
+per-rank state it continued from (the same model-parallel coordinates, lowest DP rank), except the
+distributed optimizer's shards, laid out by DP: they are not compared leaf by leaf (the report names them)
+and are covered by the outputs of the steps after the resume, compared on the layout-independent
+fingerprints of ``determinism.reductions: dp_invariant``. Without that mode a run's bits follow its DP
+size, so a verdict across DP is refused for scope before any launch.
+
 Snapshots are digest files (``train.snapshot``): per-tensor chunk digests, computed on the device, no
 copy of the state on disk. A tensor whose digests differ gets its element counts from a targeted second
 pass: both sides are re-run to K saving only the differing tensors in full (``--full-snapshots``
@@ -18,6 +27,7 @@ saves every tensor in the first pass instead).
 from __future__ import annotations
 
 import json
+import re
 import struct
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -78,6 +88,8 @@ class ResumeReport:
     faults: list[str]
     points: list[ResumePoint]
     checks: list[StateCheck]
+    resume_nproc: int | None = None  # the resumed segments' world size, when it differs from the reference's
+    not_compared: list[str] = field(default_factory=list)  # live state left out of the leaf comparison, and why
 
     @property
     def holds(self) -> bool:
@@ -124,8 +136,10 @@ class ResumeReport:
     def summary(self) -> str:
         """One line per broken point naming the component, rank, key and first divergent output step."""
         if self.holds:
-            return (f"HOLDS: resumed at {', '.join(map(str, self.resume_at))}; live state and outputs "
-                    f"bit-identical to the uninterrupted run")
+            across = f" on {self.resume_nproc} ranks" if self.resume_nproc else ""
+            left_out = f" (not compared leaf by leaf: {'; '.join(self.not_compared)})" if self.not_compared else ""
+            return (f"HOLDS: resumed at {', '.join(map(str, self.resume_at))}{across}; live state and outputs "
+                    f"bit-identical to the uninterrupted run{left_out}")
         lines, broken_before = ["BROKEN:"], False
         for p in self.points:
             if p.holds:
@@ -235,14 +249,50 @@ def _check_reference(reference_dir: Path, recipe, resume_at: list[int], nproc: i
     check_snapshots(reference_dir, resume_at, nproc, "rerun the reference with these resume points")
 
 
+DP_INVARIANT = "dp_invariant"
+# Snapshot leaves laid out by the data-parallel size: the distributed optimizer's per-param shards.
+_DP_SHARDED = re.compile(r"optimizer\d+\.group\d+\.param\d+\.")
+DP_SHARDED_NOTE = ("optimizer per-param shards (laid out by the data-parallel size; covered by the outputs "
+                   "of the steps after the resume)")
+
+
+def check_other_dp(recipe, nproc: int, other: int, flag: str) -> None:
+    """A bitwise verdict between ``nproc`` and ``other`` ranks needs ``dp_invariant`` reductions and a
+    layout that differs in the data-parallel size alone; BitdetInputError naming ``flag`` otherwise."""
+    from megatron_bitdet.train.run import check_layout
+
+    check_layout(recipe, other)
+    reductions = recipe.determinism.reductions
+    if reductions != DP_INVARIANT:
+        raise BitdetInputError(
+            f"{flag} {other} (the run has {nproc} ranks): the recipe runs determinism.reductions={reductions}, "
+            "whose sums follow the data-parallel layout, so a run continued at another data-parallel size is "
+            "expected to differ and no bitwise verdict applies. Set determinism.reductions=dp_invariant "
+            f"determinism.virtual_dp=V (V a multiple of both data-parallel sizes) for runs to compare, or drop {flag}")
+
+
+def rank_map(recipe, nproc: int, other: int) -> list[int]:
+    """For each of ``other`` ranks, the rank of an ``nproc``-rank run it continues from or compares with:
+    the same model-parallel coordinates, the lowest data-parallel rank (``checkpoint.source_ranks``)."""
+    from megatron_bitdet.train.checkpoint import layout, source_ranks
+
+    saved = layout(recipe.parallel, nproc)
+    return [source_ranks(saved, coords)[0] for coords in layout(recipe.parallel, other)]
+
+
 def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_provider=None, faults=(),
-                  reference_dir=None, full_snapshots: bool = False) -> ResumeReport:
+                  reference_dir=None, full_snapshots: bool = False, resume_nproc: int | None = None) -> ResumeReport:
     """Reference run (or reuse ``reference_dir``) + a chain of resumed segments under ``out_dir``;
     ``faults`` make every restore skip those components (demonstrates detection); ``full_snapshots``:
-    every snapshot also writes its tensors in full."""
+    every snapshot also writes its tensors in full; ``resume_nproc``: the resumed segments' world size
+    (module docstring), refused for scope unless the recipe runs ``dp_invariant``."""
     iterations = recipe.training.iterations
     steps = check_resume_at(resume_at, iterations)
     faults = _check_faults(faults)
+    if resume_nproc == nproc:
+        resume_nproc = None
+    if resume_nproc is not None:
+        check_other_dp(recipe, nproc, resume_nproc, "--resume-nproc")
     out_dir = Path(out_dir)
     if reference_dir is None:
         reference_dir = run_reference(recipe, steps, nproc=nproc, run_dir=out_dir / "reference",
@@ -251,14 +301,17 @@ def verify_resume(recipe, resume_at: list[int], *, nproc: int, out_dir, model_pr
     _check_reference(reference_dir, recipe, steps, nproc)
 
     return run_chain(recipe_segment(recipe, nproc=nproc, model_provider=model_provider, faults=faults,
-                                    full_snapshots=full_snapshots),
-                     name=recipe.name, steps=steps, iterations=iterations, nproc=nproc,
-                     out_dir=out_dir, reference_dir=reference_dir, faults=faults)
+                                    full_snapshots=full_snapshots, resume_nproc=resume_nproc),
+                     name=recipe.name, steps=steps, iterations=iterations, nproc=resume_nproc or nproc,
+                     out_dir=out_dir, reference_dir=reference_dir, faults=faults,
+                     reference_ranks=None if resume_nproc is None else rank_map(recipe, nproc, resume_nproc))
 
 
-def recipe_segment(recipe, *, nproc: int, model_provider=None, faults=(), full_snapshots: bool = False):
+def recipe_segment(recipe, *, nproc: int, model_provider=None, faults=(), full_snapshots: bool = False,
+                   resume_nproc: int | None = None):
     """``run_chain``'s segment launcher for ``bitdet train`` runs: a fresh launch that restores
-    ``start`` (skipping ``faults``; a fresh start restores nothing), trains to ``stop`` and saves there.
+    ``start`` (skipping ``faults``; a fresh start restores nothing), trains to ``stop`` and saves there;
+    a fresh start runs on ``nproc`` ranks, a restore on ``resume_nproc`` (default ``nproc``).
     With ``full`` (a selection file) it is a second-pass run instead: it snapshots at ``stop`` (a fresh
     start) or right after restoring ``start``, keeping the selected tensors in full, and saves nothing."""
     from megatron_bitdet.train.snapshot import ALL
@@ -268,7 +321,8 @@ def recipe_segment(recipe, *, nproc: int, model_provider=None, faults=(), full_s
 
     def segment(run_dir: Path, start: int, stop: int, load_from: Path | None, full=None) -> None:
         last = stop == iterations or full is not None
-        _launch(recipe, run_dir, f"segment {start}->{stop}" + (" (second pass)" if full else ""), nproc=nproc,
+        _launch(recipe, run_dir, f"segment {start}->{stop}" + (" (second pass)" if full else ""),
+                nproc=resume_nproc or nproc if start else nproc,
                 model_provider=model_provider, save_interval=0 if last else stop, stop_at=stop,
                 load=None if load_from is None else str(iter_dir(checkpoints_dir(load_from), start)),
                 snapshot_at=[start or stop] if start or full else [], fault_skip_restore=faults if start else [],
@@ -278,11 +332,14 @@ def recipe_segment(recipe, *, nproc: int, model_provider=None, faults=(), full_s
 
 
 def run_chain(segment, *, name: str, steps: list[int], iterations: int, nproc: int, out_dir: Path,
-              reference_dir: Path, faults) -> ResumeReport:
+              reference_dir: Path, faults, reference_ranks: list[int] | None = None) -> ResumeReport:
     """The chain of fresh launches 0->K1->K2->...->end, each restoring the previous one's checkpoint;
     ``segment(run_dir, start, stop, load_from, full=None)`` launches one (for ``bitdet train`` or
     Megatron-LM; ``full``: a second-pass run, see ``recipe_segment``). Every restored state is compared
-    with the reference's snapshot, every later step's fingerprints with the reference's."""
+    with the reference's snapshot, every later step's fingerprints with the reference's. ``nproc``: the
+    resumed segments' ranks; ``reference_ranks[r]``: the reference rank resumed rank r is compared with,
+    when they ran at different data-parallel sizes (the DP-sharded leaves are then left out)."""
+    ref_rank = (lambda r: r) if reference_ranks is None else reference_ranks.__getitem__
     bounds = [0, *steps, iterations]
     points, checks, previous = [], [], None
     for i, (start, stop) in enumerate(zip(bounds, bounds[1:])):
@@ -290,9 +347,10 @@ def run_chain(segment, *, name: str, steps: list[int], iterations: int, nproc: i
         segment(run_dir, start, stop, previous)
         point = ResumePoint(step=start, stop=stop, run_dir=str(run_dir), state_holds=None)
         if start:
-            point_checks = [c for rank in range(nproc) for c in compare_snapshots(reference_dir, run_dir, start, rank)]
+            point_checks = [c for rank in range(nproc) for c in compare_snapshots(
+                reference_dir, run_dir, start, rank, ref_rank=ref_rank(rank), dp_sharded=reference_ranks is not None)]
             count_differences(segment, point_checks, reference_dir=reference_dir, run_dir=run_dir, load_from=previous,
-                              step=start, where=out_dir / f"second_pass_{start:07d}")
+                              step=start, where=out_dir / f"second_pass_{start:07d}", ref_rank=ref_rank)
             checks += point_checks
             point.state_holds = all(c.ok for c in point_checks)
             point.failing_components = list(dict.fromkeys(c.component for c in point_checks if not c.ok))
@@ -300,7 +358,9 @@ def run_chain(segment, *, name: str, steps: list[int], iterations: int, nproc: i
         points.append(point)
         previous = run_dir
     report = ResumeReport(recipe=name, reference_dir=str(reference_dir), out_dir=str(out_dir),
-                          resume_at=steps, iterations=iterations, faults=list(faults), points=points, checks=checks)
+                          resume_at=steps, iterations=iterations, faults=list(faults), points=points, checks=checks,
+                          resume_nproc=None if reference_ranks is None else nproc,
+                          not_compared=[] if reference_ranks is None else [DP_SHARDED_NOTE])
     (out_dir / REPORT_FILE).write_text(json.dumps(report.to_json(), indent=1))
     return report
 
@@ -360,12 +420,18 @@ def _compare_outputs(reference_dir: Path, run_dir: Path, point: ResumePoint) -> 
 # ----------------------------------------------------------------------------- state comparison
 
 
-def compare_snapshots(reference_dir, resumed_dir, step: int, rank: int) -> list[StateCheck]:
-    """Every leaf of the two snapshots at ``step`` for ``rank``, compared bitwise (tensors by their
-    chunk digests: a tensor that differs is ``by_digest`` until ``count_differences`` counts it)."""
+def compare_snapshots(reference_dir, resumed_dir, step: int, rank: int, *, ref_rank: int | None = None,
+                      dp_sharded: bool = False) -> list[StateCheck]:
+    """Every leaf of the two snapshots at ``step`` for ``rank`` (the reference's ``ref_rank``, default the
+    same), compared bitwise (tensors by their chunk digests: a tensor that differs is ``by_digest`` until
+    ``count_differences`` counts it); ``dp_sharded``: leave out the leaves laid out by the DP size."""
     from megatron_bitdet.train.snapshot import read_snapshot
 
-    ref, res = (read_snapshot(snapshot_path(d, step, rank)).leaves for d in (reference_dir, resumed_dir))
+    ref, res = (read_snapshot(snapshot_path(d, step, r)).leaves
+                for d, r in ((reference_dir, rank if ref_rank is None else ref_rank), (resumed_dir, rank)))
+    if dp_sharded:
+        ref, res = ({leaf: v for leaf, v in side.items() if not (leaf[0] == "optimizer" and _DP_SHARDED.match(leaf[1]))}
+                    for side in (ref, res))
     checks = []
     for component, key in dict.fromkeys([*ref, *res]):
         a, b = ref.get((component, key), _MISSING), res.get((component, key), _MISSING)
@@ -382,7 +448,7 @@ def _same_layout(a, b) -> bool:
 
 
 def count_differences(segment, checks: list[StateCheck], *, reference_dir: Path, run_dir: Path, load_from, step: int,
-                      where: Path) -> None:
+                      where: Path, ref_rank=lambda r: r) -> None:
     """Element counts for the tensors whose digests differ, from full tensors: the snapshots' own
     (``--full-snapshots``) where both sides kept them, else a targeted second pass under ``where`` that
     re-runs the reference to ``step`` and the restore of ``step`` (``segment(..., full=...)``), each
@@ -394,16 +460,18 @@ def count_differences(segment, checks: list[StateCheck], *, reference_dir: Path,
     if not pending:
         return
     sides = (reference_dir, run_dir)
-    rerun = not all(snapshot_full_path(d, step, c.rank).is_file() for d in sides for c in pending)
+    rerun = not all(snapshot_full_path(d, step, r).is_file() for c in pending
+                    for d, r in zip(sides, (ref_rank(c.rank), c.rank)))
     if rerun:
         selection = write_selection(where / "selection.json", [(c.component, c.key) for c in pending])
         sides = (where / "reference", where / "resumed")
         segment(sides[0], 0, step, None, full=selection)
         segment(sides[1], step, step, load_from, full=selection)
     for rank in sorted({c.rank for c in pending}):
-        full = [read_full(snapshot_full_path(d, step, rank)) for d in sides]
+        ranks = (ref_rank(rank), rank)
+        full = [read_full(snapshot_full_path(d, step, r)) for d, r in zip(sides, ranks)]
         if rerun:
-            first, again = ([read_snapshot(snapshot_path(d, step, rank)).leaves for d in dirs]
+            first, again = ([read_snapshot(snapshot_path(d, step, r)).leaves for d, r in zip(dirs, ranks)]
                             for dirs in ((reference_dir, run_dir), sides))
         for c in (c for c in pending if c.rank == rank):
             leaf = (c.component, c.key)
