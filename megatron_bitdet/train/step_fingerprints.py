@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from megatron_bitdet.fingerprint import logical
 from megatron_bitdet.fingerprint.shards import (
     CHECK_CHUNKS, Group, Job, Layout, Pending, chunk_rows, combine, named_digest, slice_rows,
 )
@@ -132,6 +133,48 @@ def ddp_regions(ddp_modules) -> list[Region]:
     return regions
 
 
+def _coordinates() -> str:
+    """The model-parallel coordinates a parameter's logical key carries (its name repeats across them)."""
+    from megatron.core import parallel_state as ps
+
+    return (f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}"
+            f".ep{ps.get_expert_model_parallel_rank()}.etp{ps.get_expert_tensor_parallel_rank()}")
+
+
+def logical_pieces(ddp_modules) -> dict[str, list]:
+    """kind -> [(key, offset, get)]: the logical elements this rank digests, ``get()`` giving the live
+    flat view of elements ``offset ..`` of the parameter keyed ``key``. Each bucket of a DDP buffer is
+    split over its data-parallel group as the distributed optimizer shards it (rank i: the i-th of
+    ``of`` equal parts; without it the same split of the replicated buffer), so every element of a
+    replicated kind is digested by exactly one rank: params, grads (with the distributed optimizer the
+    reduced shard), and fp32 main params (sharded: exactly that shard)."""
+    where = _coordinates()
+    out: dict[str, list] = {"params": [], "grads": [], "main_params": []}
+    for ci, m in enumerate(ddp_modules):
+        names = {p: n for n, p in m.module.named_parameters()}
+        for b in (*m.buffers, *m.expert_parallel_buffers):
+            group = Group.of(b.data_parallel_group)
+            for bucket in b.buckets:
+                n = bucket.grad_data.numel()
+                lo = bucket.offset + n * group.index // group.size
+                hi = bucket.offset + n * (group.index + 1) // group.size
+                for p in bucket.params_list:
+                    start, end, _ = b.param_index_map[p]
+                    a, z = max(start, lo), min(end, hi)
+                    if a >= z:
+                        continue
+                    key = logical.name_key(f"{ci}.{names[p]}@{where}")
+                    pdata = (lambda b=b, a=a, z=z: b.param_data[a:z]) if b.param_data is not None else \
+                        (lambda p=p, a=a - start, z=z - start: p.detach().view(-1)[a:z])
+                    out["params"].append((key, a - start, pdata))
+                    out["grads"].append((key, a - start, lambda b=b, a=a, z=z: b.grad_data[a:z]))
+                    if getattr(p, "main_param", None) is not None:
+                        sharded = getattr(p, "main_param_sharded", False)
+                        out["main_params"].append((key, a - start, (lambda p=p: p.main_param.view(-1)) if sharded
+                                                   else (lambda p=p, a=a - start, z=z - start: p.main_param.view(-1)[a:z])))
+    return out
+
+
 class StepDigests:
     """One rank's per-step digests (fingerprint format v2), launched on the state's device with no
     host sync — ``grads`` right before the optimizer consumes them, ``state`` after the step — and read
@@ -140,8 +183,11 @@ class StepDigests:
     modules' attributes, buffers and children changes (an attribute rebound to another generator
     without changing that count is found at the next walk: checkpoints and snapshots walk anew)."""
 
-    def __init__(self, ddp_modules):
+    def __init__(self, ddp_modules, *, logical_digests: bool = False):
         self.model = list(ddp_modules)
+        self.logical = logical_digests  # dp_invariant: also the layout-free digests (``logical_pieces``)
+        self._pieces: dict | None = None
+        self._partials: dict[str, object] = {}
         self.pending = Pending()
         self._regions: list[Region] | None = None
         self._dicts: list | None = None     # every module's __dict__, _buffers and _modules: their sizes
@@ -161,14 +207,30 @@ class StepDigests:
             self._regions = ddp_regions(self.model)
         return self._regions
 
+    def _launch_logical(self, kinds) -> None:
+        """This rank's partial logical digest of each kind, summed on the device (read in ``resolve``)."""
+        if not self.logical:
+            return
+        if self._pieces is None:
+            self._pieces = logical_pieces(self.model)
+        import torch
+
+        for kind in kinds:
+            pieces = self._pieces[kind]
+            if pieces:
+                self._partials[f"logical_{kind}"] = torch.stack(
+                    [logical.partial_sum(get(), key, offset) for key, offset, get in pieces]).sum()
+
     def grads(self, step: int) -> None:
         """Launch the reduced grads' digests (before the optimizer step consumes or clips them)."""
         self._launch([j for r in self.regions() if r.kind == "grads" for j in r.jobs(step)])
+        self._launch_logical(("grads",))
 
     def state(self, step: int) -> None:
         """Launch the digests of the state the step left: params, main params, the model's buffers,
         its generators' states, FP8 encoded weights and scaling state, NVFP4 encodings."""
         self._launch([j for r in self.regions() if r.kind != "grads" for j in r.jobs(step)])
+        self._launch_logical(("params", "main_params"))
         jobs = []
         for kind, named in self._small_state().items():
             job, self._small[kind] = named_digest(named, kind)
@@ -230,5 +292,12 @@ class StepDigests:
                 digests[kind] = f"{algo[kind]}:{combine(own[kind])}"
             elif kind in small:
                 digests[kind] = f"{algo[kind]}:{combine([self._small[kind], *small[kind]])}"
+        if self._partials:
+            import torch
+
+            names = sorted(self._partials)
+            for name, total in zip(names, torch.stack([self._partials[n] for n in names]).tolist()):
+                digests[name] = logical.encode(total)
+            self._partials.clear()
         self._small.clear()
         return digests, records
