@@ -9,6 +9,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import subprocess
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -159,3 +162,70 @@ def faulted_chain(recipe, resume_at, faults, *, fresh_segment, reference_dir, ou
 
     return run_chain(segment, name=recipe.name, steps=list(resume_at), iterations=recipe.training.iterations,
                      nproc=nproc, out_dir=Path(out_dir), reference_dir=Path(reference_dir), faults=faults)
+
+
+# ---------------------------------------------------------------------------- two "nodes" (netns)
+# Shared by test_topology (bitdet train under torchrun on each node) and test_launcher (workflows
+# through --launcher templates).
+
+
+def netns_available() -> str | None:
+    """Why two network namespaces cannot be made here, or None when they can."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if not shutil.which("ip") or not shutil.which("unshare"):
+        return "iproute2 / util-linux (ip, unshare) not installed"
+    probe = f"bdprobe{uuid.uuid4().hex[:6]}"
+    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
+    if made.returncode != 0:
+        return f"cannot create a network namespace: {made.stderr.strip()}"
+    subprocess.run(["ip", "netns", "del", probe], check=False)
+    return None
+
+
+@dataclass(frozen=True)
+class TwoNodes:
+    """Two network namespaces joined by a veth pair; ``master`` is node 0's address."""
+
+    nodes: list  # (namespace, veth device, address) per node
+    master: str
+    hosts: Path  # an /etc/hosts naming both nodes, beside an empty resolv.conf
+
+    def prefix(self, i: int) -> list[str]:
+        """The argv prefix that runs a command on node ``i``: its own UTS (host name ``node{i}``) and mount
+        namespace (``hosts`` as /etc/hosts, so each records its own host and torchrun's rendezvous
+        resolves it; no name server, which the namespace cannot reach: c10d's reverse lookups would wait
+        out its timeouts), its network namespace, gloo on its veth, one thread per rank (torchrun's default)."""
+        ns, dev, _ = self.nodes[i]
+        resolv = self.hosts.with_name("resolv.conf")
+        return ["unshare", "--uts", "--mount", "sh", "-c",
+                f'hostname node{i} && mount --bind "{self.hosts}" /etc/hosts && '
+                f'mount --bind "{resolv}" /etc/resolv.conf && exec "$@"', "node",
+                "ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={dev}", "OMP_NUM_THREADS=1"]
+
+
+@pytest.fixture
+def two_nodes(tmp_path):
+    """Two network namespaces joined by a veth pair (10.77.x.1 / 10.77.x.2), removed afterwards."""
+    reason = netns_available()
+    if reason:
+        pytest.skip(reason)
+    tag = uuid.uuid4().hex[:6]
+    ns, dev, net = (f"bdA{tag}", f"bdB{tag}"), (f"va{tag}", f"vb{tag}"), f"10.77.{int(tag[:2], 16)}"
+    cmds = [["ip", "netns", "add", ns[0]], ["ip", "netns", "add", ns[1]],
+            ["ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1]],
+            ["ip", "link", "set", dev[0], "netns", ns[0]], ["ip", "link", "set", dev[1], "netns", ns[1]]]
+    for i in (0, 1):
+        cmds += [["ip", "-n", ns[i], "addr", "add", f"{net}.{i + 1}/24", "dev", dev[i]],
+                 ["ip", "-n", ns[i], "link", "set", dev[i], "up"], ["ip", "-n", ns[i], "link", "set", "lo", "up"]]
+    nodes = [(ns[i], dev[i], f"{net}.{i + 1}") for i in (0, 1)]
+    hosts = tmp_path / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{addr} node{i}\n" for i, (_, _, addr) in enumerate(nodes)))
+    hosts.with_name("resolv.conf").write_text("")
+    try:
+        for cmd in cmds:
+            subprocess.run(cmd, check=True, capture_output=True)
+        yield TwoNodes(nodes, f"{net}.1", hosts)
+    finally:
+        for n in ns:
+            subprocess.run(["ip", "netns", "del", n], check=False, capture_output=True)

@@ -9,10 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
-import uuid
 from pathlib import Path
 
 import numpy as np
@@ -90,58 +88,14 @@ def test_invariant_reduction_bits_ignore_the_ring(ring_runs, capsys):
         assert binding in record["bindings"]
 
 
-def _netns_available() -> str | None:
-    if os.geteuid() != 0:
-        return "network namespaces need root"
-    if not shutil.which("ip") or not shutil.which("unshare"):
-        return "iproute2 / util-linux (ip, unshare) not installed"
-    probe = f"bdprobe{uuid.uuid4().hex[:6]}"
-    made = subprocess.run(["ip", "netns", "add", probe], capture_output=True, text=True)
-    if made.returncode != 0:
-        return f"cannot create a network namespace: {made.stderr.strip()}"
-    subprocess.run(["ip", "netns", "del", probe], check=False)
-    return None
-
-
-@pytest.fixture
-def two_nodes():
-    """Two network namespaces joined by a veth pair (10.77.x.1 / 10.77.x.2), removed afterwards."""
-    reason = _netns_available()
-    if reason:
-        pytest.skip(reason)
-    tag = uuid.uuid4().hex[:6]
-    ns, dev, net = (f"bdA{tag}", f"bdB{tag}"), (f"va{tag}", f"vb{tag}"), f"10.77.{int(tag[:2], 16)}"
-    cmds = [["ip", "netns", "add", ns[0]], ["ip", "netns", "add", ns[1]],
-            ["ip", "link", "add", dev[0], "type", "veth", "peer", "name", dev[1]],
-            ["ip", "link", "set", dev[0], "netns", ns[0]], ["ip", "link", "set", dev[1], "netns", ns[1]]]
-    for i in (0, 1):
-        cmds += [["ip", "-n", ns[i], "addr", "add", f"{net}.{i + 1}/24", "dev", dev[i]],
-                 ["ip", "-n", ns[i], "link", "set", dev[i], "up"], ["ip", "-n", ns[i], "link", "set", "lo", "up"]]
-    try:
-        for cmd in cmds:
-            subprocess.run(cmd, check=True, capture_output=True)
-        yield [(ns[i], dev[i], f"{net}.{i + 1}") for i in (0, 1)], f"{net}.1"
-    finally:
-        for n in ns:
-            subprocess.run(["ip", "netns", "del", n], check=False, capture_output=True)
-
-
 def test_two_nodes_through_torchrun_equal_one_node(ring_runs, two_nodes, tmp_path, capsys):
-    nodes, master = two_nodes
     run_dir = tmp_path / "two_nodes"
     torchrun = str(Path(sys.executable).with_name("torchrun"))
-    hosts = tmp_path / "hosts"
-    hosts.write_text("127.0.0.1 localhost\n" + "".join(f"{addr} node{i}\n" for i, (_, _, addr) in enumerate(nodes)))
+    env = {k: v for k, v in os.environ.items() if k != "BITDET_EMULATED_RING"}
     procs = []
-    for i, (ns, dev, _addr) in enumerate(nodes):
-        env = {k: v for k, v in os.environ.items() if k != "BITDET_EMULATED_RING"}
-        env.update(GLOO_SOCKET_IFNAME=dev, OMP_NUM_THREADS="1")
-        # Own UTS (host name) and mount namespace (an /etc/hosts naming both nodes) per node, so each
-        # records its own host in the manifest and torchrun's rendezvous resolves it.
-        cmd = ["unshare", "--uts", "--mount", "sh", "-c",
-               f'hostname node{i} && mount --bind "{hosts}" /etc/hosts && exec "$@"', "node",
-               "ip", "netns", "exec", ns, torchrun, "--nnodes", "2", "--nproc-per-node", "2",
-               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{master}:29477", "--rdzv-id", "bitdet-topology",
+    for i in (0, 1):
+        cmd = [*two_nodes.prefix(i), torchrun, "--nnodes", "2", "--nproc-per-node", "2",
+               "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{two_nodes.master}:29477", "--rdzv-id", "bitdet-topology",
                "-m", "megatron_bitdet", "train", "--recipe", str(RECIPE), "--run-dir", str(run_dir),
                *OVERRIDES, "determinism.reductions=topology_invariant"]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))

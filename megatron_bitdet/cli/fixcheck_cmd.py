@@ -7,7 +7,7 @@ import json
 import os
 import sys
 
-from megatron_bitdet.cli.train_cmd import add_run_args, load_run_recipe
+from megatron_bitdet.cli.train_cmd import add_launcher_arg, add_run_args, load_run_recipe
 
 EXAMPLES = """examples:
   bitdet fixcheck --recipe recipes/nemotron_h_tiny.yaml --model-provider examples.planted_nondeterminism:index_put_provider \\
@@ -41,6 +41,7 @@ def register(subparsers, summary: str) -> None:
                    help="keep original runs already in OUT made from the same recipe and provider")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=run)
+    add_launcher_arg(p)
 
 
 def _parse_env(items) -> dict:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from megatron_bitdet.analysis.diagnose import diagnose, facts_from_ladder
+from megatron_bitdet.cli.train_cmd import add_launcher_arg
 from megatron_bitdet.workflows.ladder import LadderConfig, describe, run_ladder
 from megatron_bitdet.analysis.localize import FALSE_ALARMS, MATCH, LocalizeConfig, localize_traces
 from megatron_bitdet.trace.format import LEVELS, trace_dir
@@ -43,6 +44,7 @@ def register(subparsers, summary: str) -> None:
     p.add_argument("--history", type=int, default=LocalizeConfig.history,
                    help="recent events kept per rank to trace a differing input back to its producer")
     p.set_defaults(func=run)
+    add_launcher_arg(p)
 
 
 def _print_table(result) -> None:

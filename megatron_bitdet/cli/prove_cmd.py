@@ -7,7 +7,7 @@ import argparse
 import os
 import sys
 
-from megatron_bitdet.cli.train_cmd import add_run_args, load_run_recipe
+from megatron_bitdet.cli.train_cmd import add_launcher_arg, add_run_args, load_run_recipe
 from megatron_bitdet.cli.verify_resume_cmd import add_megatron_lm_args, launch_line_after_dashes
 
 EXAMPLES = """examples:
@@ -36,6 +36,7 @@ def register(subparsers, summary):
                    help="timed tax rounds (default 4; `bitdet tax` for more; not with --megatron-lm)")
     p.add_argument("--json", action="store_true", help="also write OUT/prove.json")
     p.set_defaults(func=run)
+    add_launcher_arg(p)
 
 
 def _runs(args):

@@ -13,11 +13,14 @@ import argparse
 import json
 import math
 
+from megatron_bitdet.cli.train_cmd import add_launcher_arg
+
 EXAMPLES = """examples:
   bitdet replay runs/spike --step 5
   bitdet replay runs/spike --step 5 --counterfactual zero-expert:2.1 --counterfactual skip-microbatch:0
   bitdet replay runs/spike --step 5 --counterfactual prev-params:decoder.layers.2.mlp.experts
   bitdet replay runs/spike determinism.threads=1 --step 5      # does the thread count change the bits?
+  bitdet replay runs/dp4 --step 5 --nproc 1     # a dp_invariant run's step on one rank
 
 changes: skip-microbatch:M[@RANK] (micro-batch M of the step contributes nothing: loss mask zero),
          zero-expert:LAYER.EXPERT (that expert's router probability is zero at K),
@@ -34,6 +37,9 @@ def register(subparsers, summary):
     p.add_argument("--context", type=int, default=2, metavar="C",
                    help="steps before K to replay as the baseline of the ranking (default 2)")
     p.add_argument("--checkpoints", metavar="DIR", help="checkpoint root (default RUN_DIR/checkpoints)")
+    p.add_argument("--nproc", type=int, metavar="N",
+                   help="replay on N ranks instead of the run's: another data-parallel size (the checkpoint "
+                        "reshards); needs a run of determinism.reductions=dp_invariant")
     p.add_argument("--out", metavar="DIR", help="replay directory (default RUN_DIR/replay/step_K...)")
     p.add_argument("--counterfactual", action="append", default=[], metavar="CHANGE",
                    help="replay K with one change (repeatable: one replay each)")
@@ -43,6 +49,7 @@ def register(subparsers, summary):
     p.add_argument("--top", type=int, default=8, metavar="N", help="modules to print (default 8)")
     p.add_argument("--json", action="store_true", help="print the result(s) as JSON")
     p.set_defaults(func=run)
+    add_launcher_arg(p)
 
 
 def _fmt(v) -> str:
@@ -128,7 +135,8 @@ def run(args) -> int:
     from megatron_bitdet.workflows.replay import parse_change, replay
 
     changes = [parse_change(c) for c in args.counterfactual]  # all checked before any launch
-    common = dict(out=args.out, context=args.context, overrides=args.overrides, checkpoints=args.checkpoints)
+    common = dict(out=args.out, context=args.context, overrides=args.overrides, checkpoints=args.checkpoints,
+                  nproc=args.nproc)
     if args.dump and changes:
         from megatron_bitdet.errors import BitdetInputError
 

@@ -37,6 +37,31 @@ def add_run_args(p, *, recipe_required: bool = True) -> None:
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE", help="recipe overrides, e.g. training.iterations=4")
 
 
+def add_launcher_arg(p) -> None:
+    """``--launcher`` on a workflow's parser (after its ``set_defaults(func=...)``): every launch of the
+    command goes through the template (``train.launch.through``), validated before any rank starts;
+    ``--nproc``, when the parser has it, defaults to the template's world size and must agree with it."""
+    p.add_argument("--launcher", action="append", metavar="TEMPLATE",
+                   help="start every launch's ranks through this cluster launcher: a torchrun line (given once per "
+                        "node, each led by what runs it there) or an srun line (once); bitdet appends the rank program")
+    func, has_nproc = p.get_default("func"), p.get_default("nproc") is not None
+    if has_nproc:
+        p.set_defaults(nproc=None)
+
+    def through_launcher(args):
+        from megatron_bitdet.train.launch import parse_launcher, through
+
+        launcher = parse_launcher(args.launcher)
+        if has_nproc:
+            args.nproc = args.nproc or (launcher.world_size if launcher else _default_nproc())
+            if launcher:
+                launcher.check_world(args.nproc)
+        with through(launcher):
+            return func(args)
+
+    p.set_defaults(func=through_launcher)
+
+
 def register(subparsers, summary):
     p = subparsers.add_parser("train", help=summary, description=__doc__, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)

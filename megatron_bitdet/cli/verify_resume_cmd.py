@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from megatron_bitdet.cli.train_cmd import add_run_args, load_run_recipe
+from megatron_bitdet.cli.train_cmd import add_launcher_arg, add_run_args, load_run_recipe
 
 EXAMPLES = """examples:
   bitdet verify-resume --recipe nemotron_h_tiny --resume-at 2,5
@@ -53,6 +53,7 @@ def register(subparsers, summary: str) -> None:
                         "generators as built, fp4.block_scales the weights' NVFP4 encodings fresh, "
                         "fp4.hadamard_signs re-draws the Hadamard signs)")
     p.set_defaults(func=run)
+    add_launcher_arg(p)
 
 
 def run(args) -> int:

@@ -22,6 +22,14 @@ this process for this rank (``env`` is applied to ``os.environ`` first, which re
 initialized; a rank whose str hashing is not ``env``'s PYTHONHASHSEED is re-executed in place, see
 :func:`adopt_env`), and torchrun's own ``--log-dir``/``--tee`` handle logs. Nothing here touches CUDA
 before the worker's ``before_process_group`` hook (enforcement) has run.
+
+Through a cluster launcher (:class:`Launcher`, ``--launcher``; :func:`through` makes it the one every
+``launch`` in the block uses, so each workflow's launches go there unchanged): bitdet runs each template
+once per launch from this process, with the rank program appended (one template per node for torchrun,
+each led by what places it on its node; one for ``srun``, which starts every node itself). Each rank
+tees its own output to ``RUN_DIR/logs/rank_XXXXX.log``; RUN_DIR must be on a filesystem every node
+mounts at the same path (as Megatron's checkpoints need), and a launch that leaves a rank's log out of
+it fails.
 """
 from __future__ import annotations
 
@@ -29,14 +37,18 @@ import collections
 import contextlib
 import gc
 import importlib
+import io
 import json
 import os
 import queue
+import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from megatron_bitdet.errors import BitdetError, BitdetInputError
@@ -47,6 +59,8 @@ TERMINATE_GRACE_S = 5.0
 CULPRIT_GRACE_S = 1.0
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _REEXEC_MARK = "BITDET_REEXECUTED"  # set across adopt_env's one re-exec of a rank
+_RANK_LOGS = "BITDET_RANK_LOGS"  # a launcher's ranks: the run directory each tees its own log into
+_RANK_PROGRAM = "megatron_bitdet.train.launch"
 
 
 def under_torchrun(environ=None) -> bool:
@@ -124,11 +138,12 @@ def _rendezvous_store(nproc: int):
     return TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
 
 
-class _Rank:
-    """One child process plus the threads that copy its output to the log, console and stderr tail."""
+class _Proc:
+    """One child process (a rank, or a launcher template's) plus the threads that copy its output to the
+    log, console and stderr tail."""
 
-    def __init__(self, rank: int, cmd: list[str], env: dict, log_path: Path | None, console: bool) -> None:
-        self.rank = rank
+    def __init__(self, name: str, cmd: list[str], env: dict, log_path: Path | None, console: bool) -> None:
+        self.name, self.log_path = name, log_path
         self.tail = collections.deque(maxlen=TAIL_LINES)
         self.log = open(log_path, "wb") if log_path else None
         self._log_lock = threading.Lock()
@@ -177,47 +192,57 @@ def _describe(rc: int) -> str:
 
 
 def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank) -> int:
-    try:
-        args_json = json.dumps(args)
-    except TypeError as exc:
-        raise BitdetInputError(f"worker args must be JSON-serializable: {exc}") from exc
+    cmd = [sys.executable, "-m", _RANK_PROGRAM, worker_fn_path, _args_json(args), backend or ""]
     if run_dir is not None:
         logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "megatron_bitdet.train.launch", worker_fn_path, args_json, backend or ""]
     store = _rendezvous_store(nproc)
     base = {**os.environ, **(env or {}), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port),
             "TORCHELASTIC_USE_AGENT_STORE": "True", "WORLD_SIZE": str(nproc), "LOCAL_WORLD_SIZE": str(nproc),
             "PYTHONUNBUFFERED": "1"}
-    ranks: list[_Rank] = []
+    return _supervise([(f"rank {r}", cmd, {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+                        log_path(run_dir, r) if run_dir is not None else None, r == console_rank % nproc)
+                       for r in range(nproc)])
+
+
+def _args_json(args) -> str:
+    try:
+        return json.dumps(args)
+    except TypeError as exc:
+        raise BitdetInputError(f"worker args must be JSON-serializable: {exc}") from exc
+
+
+def _supervise(specs: list) -> int:
+    """Start every (name, cmd, env, log, console) process; 0 when all exit 0, else the first failure's
+    code after terminating the rest."""
+    procs: list[_Proc] = []
     exits: queue.Queue = queue.Queue()
     try:
-        for r in range(nproc):
-            rank = _Rank(r, cmd, {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
-                         log_path(run_dir, r) if run_dir is not None else None, console=r == console_rank % nproc)
-            ranks.append(rank)
-            threading.Thread(target=lambda k=rank: exits.put((k, k.proc.wait())), daemon=True).start()
-        for i in range(nproc):  # exit order as it happens: the first failure is the culprit
-            rank, rc = exits.get()
+        for spec in specs:
+            proc = _Proc(*spec)
+            procs.append(proc)
+            threading.Thread(target=lambda k=proc: exits.put((k, k.proc.wait())), daemon=True).start()
+        for i in range(len(procs)):  # exit order as it happens: the first failure is the culprit
+            proc, rc = exits.get()
             if rc != 0:
-                rank, rc = _culprit(rank, rc, exits, nproc - i - 1)
-                _report(rank, rc, nproc, run_dir)
+                proc, rc = _culprit(proc, rc, exits, len(procs) - i - 1)
+                _report(proc, rc, len(procs))
                 return rc if rc > 0 else 128 - rc
         return 0
     finally:
-        if any(k.proc.poll() is None for k in ranks):
-            for k in ranks:
+        if any(k.proc.poll() is None for k in procs):
+            for k in procs:
                 k.kill_group(signal.SIGTERM)
-            for k in ranks:
+            for k in procs:
                 try:
                     k.proc.wait(timeout=TERMINATE_GRACE_S)
                 except subprocess.TimeoutExpired:
                     k.kill_group(signal.SIGKILL)
                     k.proc.wait()
-        for k in ranks:
+        for k in procs:
             k.close()
 
 
-def _culprit(rank: _Rank, rc: int, exits: queue.Queue, running: int) -> tuple[_Rank, int]:
+def _culprit(rank: _Proc, rc: int, exits: queue.Queue, running: int) -> tuple[_Proc, int]:
     """The failed rank to name: the first failure seen, unless another rank was killed by a signal
     within a moment of it. A rank killed outright (the OOM killer's SIGKILL, a segfault) takes its
     peers down with a collective error, and which of those exits the waiting threads report first
@@ -233,14 +258,15 @@ def _culprit(rank: _Rank, rc: int, exits: queue.Queue, running: int) -> tuple[_R
     return rank, rc
 
 
-def _report(rank: _Rank, rc: int, nproc: int, run_dir) -> None:
-    rank.close()  # drain its output first so the tail is complete
-    lines = [f"bitdet launch: rank {rank.rank} of {nproc} failed ({_describe(rc)}); terminating the other ranks."]
-    if rank.tail:
-        lines.append(f"last lines of rank {rank.rank}'s stderr:")
-        lines += [f"  | {t}" for t in rank.tail]
-    if run_dir is not None:
-        lines.append(f"full log: {log_path(run_dir, rank.rank)}")
+def _report(proc: _Proc, rc: int, total: int) -> None:
+    proc.close()  # drain its output first so the tail is complete
+    others = proc.name.split()[0] + "s"
+    lines = [f"bitdet launch: {proc.name} of {total} failed ({_describe(rc)}); terminating the other {others}."]
+    if proc.tail:
+        lines.append(f"last lines of {proc.name}'s stderr:")
+        lines += [f"  | {t}" for t in proc.tail]
+    if proc.log_path is not None:
+        lines.append(f"full log: {proc.log_path}")
     print("\n".join(lines), file=sys.stderr, flush=True)
 
 
@@ -251,7 +277,7 @@ def launch(worker_fn_path: str, nproc: int, args, *, backend: str | None = None,
     ``args`` (dict -> keyword arguments, list -> positional) must be JSON-serializable.
     ``env`` is added to the children's environment before their interpreter starts.
     ``console_rank`` is the rank streamed to this console (-1: the last, which holds the loss
-    under pipeline parallelism).
+    under pipeline parallelism). Inside :func:`through` the ranks start through that launcher.
     """
     if not isinstance(nproc, int) or nproc < 1:
         raise BitdetInputError(f"nproc must be a positive integer, got {nproc!r}")
@@ -261,7 +287,162 @@ def launch(worker_fn_path: str, nproc: int, args, *, backend: str | None = None,
             raise BitdetInputError(f"torchrun started {world} processes but this run needs {nproc}")
         adopt_env(env or {})
         return run_rank(worker_fn_path, args, backend)
+    if _LAUNCHER is not None:
+        return _LAUNCHER.run(worker_fn_path, nproc, args, backend=backend, run_dir=run_dir, env=env)
     return _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank)
+
+
+LAUNCHER_FLAG = "--launcher"
+LAUNCHER_PROGRAMS = ("torchrun", "srun")
+
+
+@dataclass(frozen=True)
+class Launcher:
+    """A cluster launch template (``--launcher``, one value per node for torchrun; one in all for srun):
+    what each starts, validated before any rank starts. ``program``: the one that starts the ranks
+    (torchrun, also when an ``srun`` prefix starts one torchrun per node; else srun)."""
+
+    templates: tuple
+    program: str
+    nnodes: int
+    nproc_per_node: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.nproc_per_node
+
+    def describe(self) -> str:
+        return f"{self.nnodes} node(s) x {self.nproc_per_node} rank(s) through {self.program}"
+
+    def check_world(self, nproc: int, what: str = "--nproc") -> None:
+        if nproc != self.world_size:
+            raise BitdetInputError(f"{LAUNCHER_FLAG} starts {self.world_size} ranks (--nnodes {self.nnodes} x "
+                                   f"{'--nproc-per-node' if self.program == 'torchrun' else '--ntasks-per-node'} "
+                                   f"{self.nproc_per_node}) but {what} is {nproc}: make them agree")
+
+    def run(self, worker_fn_path: str, nproc: int, args, *, backend=None, run_dir=None, env=None) -> int:
+        """One launch: every template with the rank program appended, supervised as the local ranks are;
+        then every rank's log must be in RUN_DIR (the run directory collected from every node)."""
+        self.check_world(nproc, "this run's world size")
+        rank_cmd = ["-m", _RANK_PROGRAM, worker_fn_path, _args_json(args), backend or ""]
+        base = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
+        if run_dir is not None:
+            logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
+            base[_RANK_LOGS] = os.path.abspath(run_dir)
+        if self.program == "srun":  # srun starts bare ranks: they join this process's store
+            store = _rendezvous_store(nproc)
+            base.update(MASTER_ADDR=socket.gethostname(), MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
+                        TORCHELASTIC_USE_AGENT_STORE="True", LOCAL_WORLD_SIZE=str(self.nproc_per_node))
+            rank_cmd = [sys.executable, *rank_cmd]
+        rc = _supervise([(f"node {i}", [*t, *rank_cmd], base, None, True) for i, t in enumerate(self.templates)])
+        if rc == 0 and run_dir is not None:
+            missing = [r for r in range(nproc) if not log_path(run_dir, r).is_file()]
+            if missing:
+                raise BitdetError(f"{LAUNCHER_FLAG}: rank(s) {missing} left no log in {logs_dir(run_dir)}: the run "
+                                  "directory must be on a filesystem every node mounts at the same path")
+        return rc
+
+
+_LAUNCHER: Launcher | None = None
+
+
+@contextlib.contextmanager
+def through(launcher: Launcher | None):
+    """Every :func:`launch` in the block starts its ranks through ``launcher`` (None: local spawn)."""
+    global _LAUNCHER
+    before, _LAUNCHER = _LAUNCHER, launcher
+    try:
+        yield
+    finally:
+        _LAUNCHER = before
+
+
+def parse_launcher(values) -> Launcher | None:
+    """``--launcher`` values -> a Launcher; BitdetInputError (exit 2) naming the flag and the option at
+    fault: no torchrun/srun in it, torchrun without --nproc-per-node or with an elastic --nnodes, srun
+    without --nodes/--ntasks-per-node, a program already named after the options, or a template count
+    other than one per node."""
+    if not values:
+        return None
+    parsed = []
+    for value in values:
+        try:
+            tokens = shlex.split(value)
+        except ValueError as exc:
+            raise BitdetInputError(f"{LAUNCHER_FLAG} {value!r}: {exc}") from None
+        names = [os.path.basename(t) for t in tokens]
+        found = [n for n in LAUNCHER_PROGRAMS if n in names]
+        if not found:
+            raise BitdetInputError(f"{LAUNCHER_FLAG} {value!r}: unknown launcher program "
+                                   f"{(tokens or [''])[0]!r}: expected torchrun or srun (after a prefix that places "
+                                   "it on its node, if any)")
+        srun = _srun_layout(value, tokens[names.index("srun") + 1:]) if "srun" in found else None
+        if "torchrun" in found:
+            at = names.index("torchrun")
+            nnodes, per_node = _torchrun_layout(value, tokens[at + 1:])
+            if srun is not None and (srun[0] != nnodes or srun[1] not in (None, 1)):
+                raise BitdetInputError(f"{LAUNCHER_FLAG} {value!r}: srun starting torchrun needs --nodes "
+                                       f"{nnodes} (torchrun's --nnodes) and one task per node")
+            parsed.append((tuple(tokens), "torchrun", nnodes, per_node, srun is not None))
+        else:
+            if srun[1] is None:
+                raise BitdetInputError(f"{LAUNCHER_FLAG} {value!r}: srun needs --ntasks-per-node (ranks per node)")
+            parsed.append((tuple(tokens), "srun", srun[0], srun[1], True))
+    layouts = {(prog, nnodes, per) for _, prog, nnodes, per, _ in parsed}
+    if len(layouts) > 1:
+        raise BitdetInputError(f"{LAUNCHER_FLAG}: the templates disagree on the layout {sorted(layouts)}")
+    (program, nnodes, per_node), = layouts
+    fans_out = parsed[0][4]
+    wanted = 1 if fans_out else nnodes
+    if len(parsed) != wanted:
+        raise BitdetInputError(
+            f"{LAUNCHER_FLAG} given {len(parsed)} time(s): " + ("srun starts every node, give it once" if fans_out else
+                                                                f"torchrun --nnodes {nnodes} needs one template per node "
+                                                                "(each led by what runs it there), or an srun prefix"))
+    return Launcher(tuple(t for t, *_ in parsed), program, nnodes, per_node)
+
+
+def _torchrun_layout(value: str, options: list) -> tuple[int, int]:
+    """torchrun's own parser over the template's options: (nnodes, nproc per node)."""
+    from torch.distributed.run import get_args_parser
+
+    if not any(o.split("=", 1)[0] in ("--nproc-per-node", "--nproc_per_node") for o in options):
+        raise BitdetInputError(f"{LAUNCHER_FLAG} {value!r}: torchrun needs --nproc-per-node (ranks per node)")
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            ns = get_args_parser().parse_args([*options, "-m", _RANK_PROGRAM])
+    except SystemExit:
+        raise BitdetInputError(f"{LAUNCHER_FLAG} {value!r}: torchrun refuses its options: "
+                               f"{err.getvalue().strip().rpartition('error:')[2].strip()}") from None
+    if ns.training_script != _RANK_PROGRAM or ns.no_python or ns.run_path:
+        raise BitdetInputError(f"{LAUNCHER_FLAG} {value!r}: end the template with torchrun's options (no program, "
+                               "--no-python or --run-path): bitdet appends the rank program")
+    lo, _, hi = str(ns.nnodes).partition(":")
+    if not lo.isdigit() or (hi and hi != lo) or int(lo) < 1:
+        raise BitdetInputError(f"{LAUNCHER_FLAG} {value!r}: --nnodes {ns.nnodes}: a fixed node count is needed")
+    if not str(ns.nproc_per_node).isdigit() or int(ns.nproc_per_node) < 1:
+        raise BitdetInputError(f"{LAUNCHER_FLAG} {value!r}: --nproc-per-node {ns.nproc_per_node}: a number of "
+                               "ranks is needed")
+    return int(lo), int(ns.nproc_per_node)
+
+
+def _srun_layout(value: str, options: list) -> tuple[int, int | None]:
+    """srun's --nodes/-N and --ntasks-per-node from the template: (nodes, tasks per node or None)."""
+    found = {}
+    for i, opt in enumerate(options):
+        for key, names in (("nodes", ("--nodes", "-N")), ("per_node", ("--ntasks-per-node",))):
+            for name in names:
+                if opt == name and i + 1 < len(options):
+                    found[key] = options[i + 1]
+                elif opt.startswith(name + "=") or (name == "-N" and opt.startswith("-N") and len(opt) > 2):
+                    found[key] = opt.split("=", 1)[1] if "=" in opt else opt[2:]
+    for key, flag in (("nodes", "--nodes"), ("per_node", "--ntasks-per-node")):
+        if key in found and not (found[key].isdigit() and int(found[key]) > 0):
+            raise BitdetInputError(f"{LAUNCHER_FLAG} {value!r}: srun {flag} {found[key]}: a fixed count is needed")
+    if "nodes" not in found:
+        raise BitdetInputError(f"{LAUNCHER_FLAG} {value!r}: srun needs --nodes (-N)")
+    return int(found["nodes"]), int(found["per_node"]) if "per_node" in found else None
 
 
 def adopt_env(env: dict) -> None:
@@ -287,8 +468,25 @@ def adopt_env(env: dict) -> None:
     os.execv(sys.executable, sys.orig_argv)
 
 
+def _tee_output(path: Path) -> None:
+    """A launcher's rank: this process's stdout and stderr (C++ included) go to ``path`` and on to the
+    launcher's console, through ``tee``, which outlives a crash of the rank."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    read, write = os.pipe()
+    subprocess.Popen(["tee", "-a", str(path)], stdin=read, stdout=1, stderr=subprocess.DEVNULL)
+    os.close(read)
+    os.dup2(write, 1)
+    os.dup2(write, 2)
+    os.close(write)
+
+
 def _child_main(argv: list[str]) -> int:
     worker_path, args_json, backend = argv
+    if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun started this rank (Launcher.run)
+        os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"])
+    run_dir = os.environ.pop(_RANK_LOGS, None)
+    if run_dir:
+        _tee_output(log_path(run_dir, int(os.environ["RANK"])))
     try:
         return run_rank(worker_path, json.loads(args_json), backend or None, fresh_interpreter=True)
     except BitdetError as exc:
