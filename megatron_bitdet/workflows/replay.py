@@ -15,6 +15,7 @@ bitwise up to K-1, and its loss at K is set against the previous steps' range.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import re
 import sys
@@ -173,17 +174,18 @@ def _loss(run, step: int) -> float | None:
 
 
 def replay(run_dir, step: int, *, out=None, context: int = 2, overrides=(), checkpoints=None,
-           change: dict | None = None, dump: bool = False) -> ReplayResult:
+           change: dict | None = None, dump: bool = False, nproc: int | None = None) -> ReplayResult:
     """Replay ``step`` of ``run_dir`` (see the module docstring); the result is also written to OUT/replay.json.
     ``dump``: replay once more (verified again) saving the top module's inputs, outputs and output
-    gradients at ``step`` on the rank where it departs most, to OUT/dump/<module>.rank_R.pt."""
+    gradients at ``step`` on the rank where it departs most, to OUT/dump/<module>.rank_R.pt. ``nproc``: replay
+    on that many ranks instead of the run's (``_other_dp``)."""
     result = _replay(Path(run_dir), step, out=out, context=context, overrides=overrides, checkpoints=checkpoints,
-                     change=change)
+                     change=change, nproc=nproc)
     if dump and result.ranking:
         top = result.ranking[0]
         path = Path(result.out) / "dump" / f"{top['module']}.rank_{top['rank']}.pt"
         again = _replay(Path(run_dir), step, out=Path(result.out) / "dump", context=context, overrides=overrides,
-                        checkpoints=checkpoints, change=None,
+                        checkpoints=checkpoints, change=None, nproc=nproc,
                         dump={"module": top["module"], "rank": top["rank"], "path": str(path)})
         if again.verdict != "reproduced" or not path.is_file():
             raise BitdetError(f"the dump replay into {again.out} did not reproduce the original: {again.cause}")
@@ -192,7 +194,23 @@ def replay(run_dir, step: int, *, out=None, context: int = 2, overrides=(), chec
     return result
 
 
-def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, change, dump=None) -> ReplayResult:
+def _other_dp(spec: RelaunchSpec, nproc: int) -> RelaunchSpec:
+    """The spec of a replay on ``nproc`` ranks of a run made on ``spec.nproc``: a bitdet train run of
+    ``dp_invariant`` reductions whose layout differs in the data-parallel size alone (else exit 2). Its
+    ranks' digests are partials of the logical ones, so no rank stops at a first difference: the replayed
+    steps are compared afterwards, as one logical rank (``analysis.compare``)."""
+    from megatron_bitdet.workflows.resume import check_other_dp
+
+    if nproc < 1:
+        raise BitdetInputError(f"--nproc {nproc}: must be a positive number of ranks")
+    if spec.megatron_lm:
+        raise BitdetInputError(f"--nproc {nproc}: a Megatron-LM run replays on its own {spec.nproc} ranks")
+    check_other_dp(spec.recipe, spec.nproc, nproc, "--nproc")
+    return dataclasses.replace(spec, nproc=nproc)
+
+
+def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, change, dump=None,
+            nproc=None) -> ReplayResult:
     original = load_run(run_dir, "bitdet")
     if original.manifest is None:
         raise BitdetInputError(f"{run_dir}: no manifest.json (was the run made by bitdet train?)")
@@ -203,6 +221,9 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
     if context < 0:
         raise BitdetInputError(f"--context {context}: must be >= 0")
     spec = _spec(run_dir, overrides)
+    other_dp = nproc not in (None, spec.nproc)
+    if other_dp:
+        spec = _other_dp(spec, nproc)
     checkpoint, ckpt_path = choose_checkpoint(Path(checkpoints) if checkpoints else checkpoints_dir(run_dir),
                                               max(0, step - 1 - context))
     if ckpt_path is not None:
@@ -236,7 +257,7 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
     with contextlib.redirect_stdout(sys.stderr):  # the ranks' consoles; stdout is the report
         rc = launch_training(spec.recipe, options, worker=WORKER, worker_args={"replay": {
             "original": str(run_dir), "verify_until": verify_until, "stats_steps": stats_steps,
-            "change": change, "step": step, "dump": dump}})
+            "change": change, "step": step, "dump": dump, "other_dp": other_dp}})
     if rc != 0:
         raise BitdetError(f"the replay into {out} failed (exit {rc}); see {out}/logs/")
     replay_run = load_run(out, "bitdet")
