@@ -4,6 +4,7 @@ both are refused for scope before any launch. One DP = 4 run (checkpoint and liv
 is verify-resume's reference and the replayed run.
 """
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ from megatron_bitdet.recipe import load_recipe
 from megatron_bitdet.rundir import checkpoints_dir, fingerprints_dir, iter_dir
 from megatron_bitdet.train.checkpoint import layout, read_meta
 from megatron_bitdet.train.run import RunOptions, launch_training
-from megatron_bitdet.workflows.resume import DP_SHARDED_NOTE
+from megatron_bitdet.workflows.resume import DP_SHARDED_NOTE, rank_map, recipe_segment, run_chain
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = str(ROOT / "recipes" / "nemotron_h_tiny.yaml")
@@ -37,10 +38,17 @@ def dp4_run(recipe, tmp_path_factory) -> Path:
     return run_dir
 
 
-def test_dp4_checkpoint_resumed_at_dp2_matches_the_uninterrupted_run(dp4_run, recipe, tmp_path):
-    out = tmp_path / "vr"
+@pytest.fixture(scope="module")
+def resumed_at_dp2(dp4_run, tmp_path_factory) -> tuple[int, Path]:
+    """verify-resume --resume-nproc 2 against the DP = 4 run: (exit code, --out)."""
+    out = tmp_path_factory.mktemp("vr") / "out"
     rc = main(["verify-resume", "--recipe", RECIPE, "--nproc", "4", "--resume-nproc", "2", "--resume-at", "2",
                "--reference", str(dp4_run), "--out", str(out), "--json", *LAYOUT, *MODE])
+    return rc, out
+
+
+def test_dp4_checkpoint_resumed_at_dp2_matches_the_uninterrupted_run(resumed_at_dp2, recipe):
+    rc, out = resumed_at_dp2
     report = json.loads((out / "verify_resume.json").read_text())
     assert rc == 0, report
     assert report["holds"] and report["resume_nproc"] == 2 and report["not_compared"] == [DP_SHARDED_NOTE]
@@ -57,6 +65,27 @@ def test_dp4_checkpoint_resumed_at_dp2_matches_the_uninterrupted_run(dp4_run, re
     components = {c["component"] for c in checks}
     assert {"parameters", "optimizer", "scheduler", "data", "rng.torch_cpu", "rng.tracker"} <= components
     assert not [c for c in checks if c["component"] == "optimizer" and ".param" in c["key"]]
+
+
+@pytest.mark.slow
+def test_a_skipped_optimizer_restore_across_dp_shows_in_the_outputs(recipe, dp4_run, resumed_at_dp2, tmp_path):
+    """The optimizer shards are not compared leaf by leaf across DP: a restore that skips exp_avg must show in
+    the next step's outputs. Continues from the correct chain's fresh segment (one launch, at DP 2)."""
+    fresh = resumed_at_dp2[1] / "segment_00_0000000-0000002"
+    launch = recipe_segment(recipe, nproc=4, resume_nproc=2, faults=["optimizer.exp_avg"])
+
+    def segment(run_dir: Path, start: int, stop: int, load_from, full=None) -> None:
+        if start or full is not None:
+            launch(run_dir, start, stop, load_from, full=full)
+        else:
+            shutil.copytree(fresh, run_dir)
+
+    report = run_chain(segment, name=recipe.name, steps=[2], iterations=3, nproc=2, out_dir=tmp_path,
+                       reference_dir=dp4_run, faults=["optimizer.exp_avg"], reference_ranks=rank_map(recipe, 4, 2))
+    resumed = report.points[1]
+    assert not report.holds and resumed.state_holds and resumed.first_output_divergence == 3, report.summary()
+    assert "digest:logical_params" in resumed.divergent_metrics
+    assert "not compared leaf by leaf: optimizer per-param shards" in report.summary()
 
 
 def test_replay_of_a_dp4_step_on_one_rank_reproduces_it(dp4_run, tmp_path, capsys):

@@ -135,9 +135,9 @@ class ResumeReport:
 
     def summary(self) -> str:
         """One line per broken point naming the component, rank, key and first divergent output step."""
+        left_out = f" (not compared leaf by leaf: {'; '.join(self.not_compared)})" if self.not_compared else ""
         if self.holds:
             across = f" on {self.resume_nproc} ranks" if self.resume_nproc else ""
-            left_out = f" (not compared leaf by leaf: {'; '.join(self.not_compared)})" if self.not_compared else ""
             return (f"HOLDS: resumed at {', '.join(map(str, self.resume_at))}{across}; live state and outputs "
                     f"bit-identical to the uninterrupted run{left_out}")
         lines, broken_before = ["BROKEN:"], False
@@ -153,7 +153,7 @@ class ResumeReport:
             out = ("outputs identical" if p.first_output_divergence is None
                    else f"outputs first differ at step {p.first_output_divergence}")
             inherited = " (after a broken segment: may be inherited)" if broken_before else ""
-            lines.append(f"  {where}: {state or 'live state identical'}; {out}{inherited}")
+            lines.append(f"  {where}: {state or 'live state identical' + left_out}; {out}{inherited}")
             broken_before = True
         return "\n".join(lines)
 
