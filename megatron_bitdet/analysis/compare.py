@@ -13,7 +13,13 @@ from megatron_bitdet.analysis.run_data import RunData
 from megatron_bitdet.enforce.manifest import scope_diff
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_float, first_differing_bit, ulp_distance
-from megatron_bitdet.fingerprint.steps import DIGEST_PREFIX
+from megatron_bitdet.fingerprint.logical import combine_partials
+from megatron_bitdet.fingerprint.steps import DIGEST_PREFIX, StepRecord
+
+# What dp_invariant runs with the same virtual_dp may differ in: their data-parallel size.
+DP_LAYOUT_KEYS = ("dp", "world_size")
+# Digests of DDP buffers as laid out on a rank: meaningless across data-parallel sizes.
+LAYOUT_DIGESTS = ("params", "grads", "main_params")
 
 # "incomplete": the common steps agree, but a step (of the ones asked for) is missing from one run,
 # so the runs were not compared in full: never a match.
@@ -123,6 +129,15 @@ def compare_runs(run_a, run_b, *, force: bool = False, metrics=None, ranks=None,
     result = CompareResult(verdict="match", run_a=str(a.path), run_b=str(b.path), format=a.format,
                            forced=force, warnings=a.warnings + b.warnings)
     result.scope_mismatches = _check_scope(a, b, force, result.warnings)
+    if _across_dp(a, b):
+        if ranks is not None:
+            raise BitdetInputError("--ranks: runs of different data-parallel sizes are compared as one logical "
+                                   "rank (dp_invariant); leave --ranks out")
+        a, b = _logical_view(a), _logical_view(b)
+        result.warnings.append(
+            f"data-parallel sizes differ ({a.manifest['scope']['dp']} vs {b.manifest['scope']['dp']}), both "
+            f"dp_invariant with virtual_dp {virtual_dp(a)}: compared the metrics and the logical digests "
+            "(the ranks' partials added); the per-rank buffer digests and slice records are layout-dependent")
     result.ranks_compared = _select_ranks(a, b, ranks)
     names = _select_names(a, b, result.ranks_compared, metrics)
     result.metrics_compared = [n for n in names if not n.startswith(DIGEST_PREFIX)]
@@ -134,6 +149,50 @@ def compare_runs(run_a, run_b, *, force: bool = False, metrics=None, ranks=None,
     return result
 
 
+def virtual_dp(run: RunData) -> int | None:
+    """The run's ``determinism.virtual_dp`` when it ran ``dp_invariant`` (None otherwise)."""
+    d = ((run.manifest or {}).get("recipe") or {}).get("determinism") or {}
+    return d.get("virtual_dp") if d.get("reductions") == "dp_invariant" else None
+
+
+def _across_dp(a: RunData, b: RunData) -> bool:
+    """Both runs dp_invariant with the same V, at different data-parallel sizes."""
+    return (a.format == "bitdet" and virtual_dp(a) is not None and virtual_dp(a) == virtual_dp(b)
+            and a.manifest["scope"].get("dp") != b.manifest["scope"].get("dp"))
+
+
+def _logical_view(run: RunData) -> RunData:
+    """The run as one layout-free rank (0): per step, each metric as the lowest rank holding it writes
+    it (the scalars are reduced, so every DP rank holds the same), the ranks' logical partial digests
+    added, rank 0's small-state digests (module buffers, generators). A step some rank of the world
+    lacks is left out (its logical sum would be partial): the comparison then says incomplete."""
+    world = run.manifest["scope"]["world_size"]
+    steps: dict[int, list] = {}
+    for rank in sorted(run.ranks):
+        for rec in run.ranks[rank]:
+            steps.setdefault(rec.step, []).append((rank, rec))
+    records = []
+    for step in sorted(steps):
+        held = steps[step]
+        if len(held) != world:
+            continue
+        metrics, partials, small = {}, {}, {}
+        for rank, rec in held:
+            for name, value in rec.metrics.items():
+                metrics.setdefault(name, value)
+            for name, value in rec.digests.items():
+                if name.startswith("logical_"):
+                    partials.setdefault(name, []).append(value)
+                elif rank == 0 and name not in LAYOUT_DIGESTS:
+                    small[name] = value
+        digests = {**small, **{k: combine_partials(v) for k, v in partials.items()}}
+        records.append(StepRecord(step=step, metrics=metrics, digests=digests, line=held[0][1].line,
+                                  version=held[0][1].version))
+    files = {0: run.files[min(run.files)].parent} if run.files else {}
+    return RunData(run.path, run.format, {0: records}, files, {**run.manifest, "scope": {
+        **run.manifest["scope"], "world_size": 1}}, run.hidden, run.warnings, run.truncated)
+
+
 def _check_scope(a: RunData, b: RunData, force: bool, warnings: list[str]) -> list[dict]:
     if a.format == "tensorboard":
         warnings.append("TensorBoard logs carry no manifest: the validation scope was not checked")
@@ -143,7 +202,8 @@ def _check_scope(a: RunData, b: RunData, force: bool, warnings: list[str]) -> li
         mismatches = [{"key": "manifest.json", "a": state[a.manifest is None], "b": state[b.manifest is None]}]
     else:
         diff = scope_diff(a.manifest["scope"], b.manifest["scope"])
-        mismatches = [{"key": k, "a": va, "b": vb} for k, va, vb in diff]
+        same_v = virtual_dp(a) is not None and virtual_dp(a) == virtual_dp(b)
+        mismatches = [{"key": k, "a": va, "b": vb} for k, va, vb in diff if not (same_v and k in DP_LAYOUT_KEYS)]
     if mismatches and not force:
         raise ScopeMismatchError(mismatches)
     if mismatches:

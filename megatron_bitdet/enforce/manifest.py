@@ -54,8 +54,8 @@ def gather_placement() -> dict:
 
 def placement_in_scope(recipe) -> bool:
     """Placement (hosts, ring) is outside the validation scope only with topology-invariant
-    reductions: otherwise another allocation may reduce in another order."""
-    return recipe.determinism.reductions != "topology_invariant"
+    reductions (``dp_invariant`` includes them): otherwise another allocation may reduce in another order."""
+    return recipe.determinism.reductions not in ("topology_invariant", "dp_invariant")
 
 
 def torch_flags() -> dict:
