@@ -434,13 +434,6 @@ def test_bad_trace_flags_are_refused_before_any_rank_starts(tmp_path, capsys):
     assert not (tmp_path / "t" / "logs").exists()
 
 
-def test_replay_refuses_a_megatron_lm_run(mamba_runs, capsys):
-    runs, _ = mamba_runs
-    capsys.readouterr()
-    assert bitdet(["replay", str(runs["b"]), "--step", "2"]) == 2
-    assert "a Megatron-LM run" in capsys.readouterr().err
-
-
 def test_a_rerun_line_drops_the_originals_outputs_and_adds_the_window():
     from megatron_bitdet.megatron_lm.launch import rerun_args
     from megatron_bitdet.trace import TraceConfig

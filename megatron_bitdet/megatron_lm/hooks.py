@@ -21,6 +21,10 @@
   backward inside Megatron's forward_backward_func, grad_reduce, optimizer; bookkeeping untraced).
 - checkpoint load: megatron-core 0.16.1's distributed optimizer with torch's Adam (the same two step
   bugs ``bitdet train`` works around).
+- ``STEP_HOOKS``: ``train.loop.StepHook``s a rank worker adds before the script runs (``bitdet replay``'s
+  module statistics and counterfactual changes), called around each step as bitdet's loop calls them
+  (``begin`` may replace the step's data iterator; ``end`` gets the step's fingerprint line, and a stop
+  request is not honoured: Megatron-LM stops at ``--exit-interval``).
 """
 from __future__ import annotations
 
@@ -380,8 +384,9 @@ def rank_tracer(session, model):
     return session.tracer
 
 
-def on_step_end(session, step: int, result) -> None:
-    """The step's line: metrics, and the digests launched in the step and now (read back here)."""
+def on_step_end(session, step: int, result) -> dict | None:
+    """The step's line: metrics, and the digests launched in the step and now (read back here); returns
+    it as written (None for a step cut short)."""
     import torch
     from megatron.core.num_microbatches_calculator import get_num_microbatches
     from megatron.training import get_args
@@ -403,10 +408,21 @@ def on_step_end(session, step: int, result) -> None:
     coeff = coeff[0] if isinstance(coeff, (list, tuple)) else (coeff or 0.0)
     metrics = step_metrics(lm_loss=None if lm is None else lm.detach().to(torch.float32), aux=aux, aux_coeff=coeff,
                            grad_norm=grad_norm, lr=session.lr, num_zeros=num_zeros)
-    session.writer.write(step, metrics, *session.digests.resolve())
+    return session.writer.write(step, metrics, *session.digests.resolve())
 
 
 _ORIGINALS: dict = {}
+STEP_HOOKS: list = []  # this rank's step hooks (a rank worker adds them before the script runs)
+
+
+@dataclass
+class StepState:
+    """What a step hook reads of the step, named as in bitdet's loop: the chunks Megatron built, the
+    model config (its ``finalize_model_grads_func`` included) and the run's recipe."""
+
+    ddp_modules: list
+    config: object
+    recipe: object
 
 
 class DataPosition:
@@ -512,6 +528,9 @@ def install(session: Session) -> None:
         _wrap_optimizer_step(session, optimizer)
         if iteration in session.snapshot_at:
             snapshot(session, iteration, model, optimizer, scheduler)
+        state = StepState(model, config, session.recipe) if STEP_HOOKS else None
+        for hook in STEP_HOOKS:
+            data_iterator = hook.begin(iteration + 1, state, data_iterator)
         with traced_step(rank_tracer(session, model), config, model, iteration + 1) as session.traced:
             try:
                 session.step_clock().start()
@@ -520,7 +539,9 @@ def install(session: Session) -> None:
                 session.clock.stop(iteration + 1)
             finally:
                 session.traced = None
-        on_step_end(session, iteration + 1, result)
+        line = on_step_end(session, iteration + 1, result)
+        for hook in STEP_HOOKS if line is not None else ():
+            hook.end(iteration + 1, line)
         return result
 
     original_load = _ORIGINALS["load_checkpoint"]

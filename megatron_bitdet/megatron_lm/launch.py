@@ -52,11 +52,13 @@ def preflight(script: str, megatron_args: list, *, nproc: int) -> None:
         sys.argv = argv
 
 
-def launch_line(script: str, megatron_args: list, *, nproc: int, run_dir=None) -> int:
+def launch_line(script: str, megatron_args: list, *, nproc: int, run_dir=None, worker: str | None = None,
+                worker_args: dict | None = None) -> int:
     """Run ``script`` on ``nproc`` ranks; the canonical env is in each rank's environment from its
     first instruction (with ``--deterministic-mode``). Bad bitdet options (tracing flags included),
     determinism violations and flags this machine cannot run exit 2 before any rank starts
-    (``preflight``). Returns the exit code."""
+    (``preflight``). ``worker``: another rank worker taking ``entry.rank_worker``'s arguments plus
+    ``worker_args`` (``bitdet replay``'s, which adds step hooks). Returns the exit code."""
     from megatron_bitdet.megatron_lm import entry
     from megatron_bitdet.megatron_lm.options import DEFAULT_RUN_DIR, preparse
     from megatron_bitdet.trace.options import trace_settings
@@ -71,8 +73,8 @@ def launch_line(script: str, megatron_args: list, *, nproc: int, run_dir=None) -
     if opts.deterministic_mode:
         env.update(entry.canonical_env(base))
     preflight(script, argv, nproc=nproc)
-    return launch("megatron_bitdet.megatron_lm.entry:rank_worker", nproc,
-                  {"script": os.path.abspath(script), "argv": argv},
+    return launch(worker or "megatron_bitdet.megatron_lm.entry:rank_worker", nproc,
+                  {"script": os.path.abspath(script), "argv": argv, **(worker_args or {})},
                   run_dir=opts.run_dir or DEFAULT_RUN_DIR, env=env, console_rank=-1)
 
 

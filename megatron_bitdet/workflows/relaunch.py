@@ -124,15 +124,32 @@ def _megatron_lm_spec(run_dir, where: Path, mlm, argv: list, nproc: int, overrid
     return RelaunchSpec(str(run_dir), nproc, tuple(argv), script=script, megatron_args=tuple(rest))
 
 
-def relaunch(spec: RelaunchSpec, run_dir, *, stop_at: int | None = None, trace=None, argv=None) -> int:
+def flag_value(megatron_args: list, flag: str) -> str | None:
+    """``flag``'s value on a launch line (``--flag V`` or ``--flag=V``; the last one given), or None."""
+    value = None
+    for i, arg in enumerate(megatron_args):
+        name, eq, inline = arg.partition("=")
+        if name == flag:
+            value = inline if eq else (megatron_args[i + 1] if i + 1 < len(megatron_args) else None)
+    return value
+
+
+def relaunch(spec: RelaunchSpec, run_dir, *, stop_at: int | None = None, trace=None, argv=None, load=None,
+             worker: str | None = None, worker_args: dict | None = None) -> int:
     """Run ``spec`` again into the emptied ``run_dir`` (stopping after iteration ``stop_at``, traced per
-    ``trace``, a TraceConfig); returns the exit code. ``argv``: what a bitdet train re-run's manifest records."""
+    ``trace``, a TraceConfig); returns the exit code. ``argv``: what a bitdet train re-run's manifest records.
+    Megatron-LM runs only: ``load`` (ROOT, ITERATION) replaces what the line loads with that checkpoint;
+    ``worker`` / ``worker_args``: another rank worker (``launch_line``)."""
     if spec.megatron_lm:
         from megatron_bitdet.megatron_lm.launch import launch_line, rerun_args
 
         fresh(run_dir)
-        return launch_line(spec.script, rerun_args(list(spec.megatron_args), stop_at=stop_at, trace=trace),
-                           nproc=spec.nproc, run_dir=run_dir)
+        line = list(spec.megatron_args)
+        if load is not None:
+            line = rerun_args(line, drop=("--load", "--ckpt-step")) + ["--load", str(load[0]), "--ckpt-step",
+                                                                       str(load[1])]
+        return launch_line(spec.script, rerun_args(line, stop_at=stop_at, trace=trace), nproc=spec.nproc,
+                           run_dir=run_dir, worker=worker, worker_args=worker_args)
     from megatron_bitdet.train.run import RunOptions, launch_training
 
     return launch_training(spec.recipe, RunOptions(nproc=spec.nproc, run_dir=run_dir, stop_at=stop_at,

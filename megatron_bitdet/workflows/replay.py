@@ -11,6 +11,13 @@ is ranked module by module against the replayed steps before it (``analysis.spik
 A counterfactual replays the same steps with one change at K (skip a micro-batch, zero one expert's
 router probability, give one module the params it had a step earlier); it must reproduce the original
 bitwise up to K-1, and its loss at K is set against the previous steps' range.
+
+A Megatron-LM run (``bitdet megatron-lm``) is replayed from its own checkpoints (the line's ``--save``
+directory, torch_dist format: an ``iter_N`` with ``metadata.json``): its launch line re-run with
+``--load ROOT --ckpt-step N --exit-interval K`` (workflows.relaunch) by a rank worker that adds the
+statistics and the change as step hooks of the Megatron-LM hooks. It runs to K (no stop at a first
+difference) and the steps are compared afterwards; skip-microbatch is refused there (the script draws its
+micro-batches inside its own forward_step).
 """
 from __future__ import annotations
 
@@ -29,10 +36,11 @@ from megatron_bitdet.errors import BitdetError, BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_float
 from megatron_bitdet.rundir import checkpoints_dir, iter_dir, replay_dir
 from megatron_bitdet.train.checkpoint import META, verify_checkpoint
-from megatron_bitdet.workflows.relaunch import RelaunchSpec, StaleRecipe, relaunch_spec
+from megatron_bitdet.workflows.relaunch import RelaunchSpec, StaleRecipe, flag_value, relaunch, relaunch_spec
 
 RESULT = "replay.json"
 WORKER = "megatron_bitdet.workflows.replay_worker:replay_worker"
+MEGATRON_WORKER = "megatron_bitdet.workflows.replay_worker:megatron_replay_worker"
 LOSS = "lm_loss"
 _CHANGE = re.compile(r"(skip-microbatch):(\d+)(?:@(\d+))?|(zero-expert):(\d+)\.(\d+)|(prev-params):([\w.]+)")
 
@@ -100,28 +108,41 @@ def _spec(run_dir: Path, overrides) -> RelaunchSpec:
 
         raise BitdetInputError(f"{exc.where}: the run's recipe (bitdet {exc.version}) does not validate under "
                                f"bitdet {__version__}, so it cannot be replayed here:\n{exc.error}") from None
-    if spec.megatron_lm:
-        raise BitdetInputError(f"{run_dir}: a Megatron-LM run ({spec.script}): bitdet replay re-runs bitdet train "
-                               "runs from their checkpoints; re-launch the script with --load and --trace instead, "
-                               "or `bitdet localize` two runs")
     return spec
 
 
-def choose_checkpoint(root: Path, at_most: int) -> tuple[int, Path | None]:
-    """The newest complete checkpoint (``bitdet_meta.json`` present) at iteration <= ``at_most``."""
+MEGATRON_META = "metadata.json"  # written once a Megatron-LM torch_dist checkpoint is complete
+
+
+def _megatron_checkpoints(run_dir: Path, spec: RelaunchSpec) -> Path:
+    """A Megatron-LM run's checkpoint root: its line's ``--save`` (relative paths from here, as launched)."""
+    save = flag_value(list(spec.megatron_args), "--save")
+    if save is None:
+        raise BitdetInputError(f"{run_dir}: a Megatron-LM run launched without --save: no checkpoint to replay "
+                               "from; relaunch with --save DIR --save-interval N, or pass --checkpoints DIR")
+    return Path(save)
+
+
+def choose_checkpoint(root: Path, at_most: int, marker: str = META) -> tuple[int, Path | None]:
+    """The newest complete checkpoint (``marker`` present: bitdet's ``bitdet_meta.json``, or a Megatron-LM
+    checkpoint's ``metadata.json``) at iteration <= ``at_most``."""
     found = []
     if root.is_dir():
         for d in root.iterdir():
             m = re.fullmatch(r"iter_(\d+)", d.name)
-            if m and int(m.group(1)) <= at_most and (d / META).is_file():
+            if m and int(m.group(1)) <= at_most and (d / marker).is_file():
                 found.append(int(m.group(1)))
     if not found:
         return 0, None
     return max(found), iter_dir(root, max(found))
 
 
-def _check_change(change: dict, recipe, nproc: int, step: int, first: int) -> None:
+def _check_change(change: dict, recipe, nproc: int, step: int, first: int, megatron_lm: bool = False) -> None:
     model = recipe.model
+    if megatron_lm and change["kind"] == "skip-microbatch":
+        raise BitdetInputError("skip-microbatch on a Megatron-LM run: the script draws its micro-batches inside its "
+                               "own forward_step, which the replay does not reach into; replay the change with "
+                               "zero-expert:LAYER.EXPERT or prev-params:MODULE instead")
     if change["kind"] == "zero-expert":
         pattern = model.hybrid_pattern
         if not 0 <= change["layer"] < len(pattern) or pattern[change["layer"]] != "E":
@@ -143,6 +164,15 @@ def _check_change(change: dict, recipe, nproc: int, step: int, first: int) -> No
         how = "use --context >= 1" if step > 1 else "step 1 has no step before it"
         raise BitdetInputError(f"{change['kind']} at step {step}: the replay starts at step {first}, so no step "
                                f"before the change would be reproduced and verified against the original ({how})")
+
+
+def _recipe(run_dir: Path, spec: RelaunchSpec, manifest: dict):
+    """The recipe a change is checked against: a Megatron-LM run's is the one its manifest recorded from its flags."""
+    if not spec.megatron_lm:
+        return spec.recipe
+    from megatron_bitdet.recipe import Recipe
+
+    return Recipe.from_dict(manifest["recipe"], source=str(run_dir / "manifest.json"))
 
 
 def _short(v) -> str:
@@ -224,9 +254,11 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
     other_dp = nproc not in (None, spec.nproc)
     if other_dp:
         spec = _other_dp(spec, nproc)
-    checkpoint, ckpt_path = choose_checkpoint(Path(checkpoints) if checkpoints else checkpoints_dir(run_dir),
-                                              max(0, step - 1 - context))
-    if ckpt_path is not None:
+    root = Path(checkpoints) if checkpoints else (
+        _megatron_checkpoints(run_dir, spec) if spec.megatron_lm else checkpoints_dir(run_dir))
+    checkpoint, ckpt_path = choose_checkpoint(root, max(0, step - 1 - context),
+                                              MEGATRON_META if spec.megatron_lm else META)
+    if ckpt_path is not None and not spec.megatron_lm:  # Megatron-LM checks its own on load
         verify_checkpoint(ckpt_path)  # a corrupt file is bad input (exit 2), refused before any rank starts
     first = checkpoint + 1
     missing = [s for s in range(first, step + 1) if s not in have]
@@ -234,7 +266,7 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
         raise BitdetInputError(f"{run_dir}: the original has no fingerprints for step(s) {missing[:5]} to verify "
                                f"against (replaying {first}-{step} from iteration {checkpoint})")
     if change is not None:
-        _check_change(change, spec.recipe, spec.nproc, step, first)
+        _check_change(change, _recipe(run_dir, spec, original.manifest), spec.nproc, step, first, spec.megatron_lm)
     name = f"step_{step}" + (f"_{describe_change(change).replace(' ', '_')}" if change else "")
     out = Path(out) if out else replay_dir(run_dir, re.sub(r"[^\w.-]", "", name))
     if out.resolve() == run_dir.resolve():
@@ -252,12 +284,17 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
     print(f"[replay] {run_dir}: steps {first}-{step} from "
           f"{'checkpoint iteration ' + str(checkpoint) if ckpt_path else 'the start'}"
           + (f", change at {step}: {describe_change(change)}" if change else ""), file=sys.stderr, flush=True)
-    options = RunOptions(nproc=spec.nproc, run_dir=str(out), load=str(ckpt_path) if ckpt_path else None,
-                         stop_at=step, model_provider=spec.model_provider, argv=argv, save_interval=0, fresh=True)
+    plan = {"original": str(run_dir), "verify_until": verify_until, "stats_steps": stats_steps,
+            "change": change, "step": step, "dump": dump, "other_dp": other_dp}
     with contextlib.redirect_stdout(sys.stderr):  # the ranks' consoles; stdout is the report
-        rc = launch_training(spec.recipe, options, worker=WORKER, worker_args={"replay": {
-            "original": str(run_dir), "verify_until": verify_until, "stats_steps": stats_steps,
-            "change": change, "step": step, "dump": dump, "other_dp": other_dp}})
+        if spec.megatron_lm:
+            rc = relaunch(spec, out, stop_at=step, load=(root, checkpoint) if ckpt_path else None,
+                          worker=MEGATRON_WORKER, worker_args={"replay": {**plan, "run_dir": str(out)}})
+        else:
+            options = RunOptions(nproc=spec.nproc, run_dir=str(out), load=str(ckpt_path) if ckpt_path else None,
+                                 stop_at=step, model_provider=spec.model_provider, argv=argv, save_interval=0,
+                                 fresh=True)
+            rc = launch_training(spec.recipe, options, worker=WORKER, worker_args={"replay": plan})
     if rc != 0:
         raise BitdetError(f"the replay into {out} failed (exit {rc}); see {out}/logs/")
     replay_run = load_run(out, "bitdet")

@@ -1,4 +1,5 @@
-"""One rank of ``bitdet replay``: ``train.worker.worker`` with three step hooks.
+"""One rank of ``bitdet replay``: ``train.worker.worker`` with four step hooks (a Megatron-LM run's: the
+entry point's rank, ``megatron_replay_worker``, with all but ``Verify`` as the Megatron-LM hooks' step hooks).
 
 - ``Verify`` compares every replayed step's fingerprint line with the original run's, bit for bit, and
   stops every rank after the first step that differs on any rank (one all-reduce of a flag per step);
@@ -190,19 +191,39 @@ class Dump(StepHook):
         return False
 
 
-def replay_worker(rank: int, world_size: int, *, replay: dict, **train_args) -> int:
+def _step_hooks(rank: int, replay: dict, run_dir: str) -> list[StepHook]:
     """``replay``: {"original", "verify_until", "stats_steps": [a, b] | None, "change": dict | None, "step",
-    "dump": {"module", "rank", "path"} | None, "other_dp": bool}: at another data-parallel size a rank's
-    digests are partials, so no ``Verify``; the steps are compared afterwards."""
-    hooks = [] if replay.get("other_dp") else [Verify(replay["original"], rank, replay["verify_until"])]
+    "dump": {"module", "rank", "path"} | None, "other_dp": bool}."""
+    hooks = []
     dump = replay.get("dump")
     if dump and dump["rank"] == rank:
         hooks.append(Dump(dump["module"], replay["step"], dump["path"]))
     if replay.get("change"):  # before Stats: its hooks then see the changed step
         hooks.append(Change(replay["change"], replay["step"], rank))
     if replay.get("stats_steps"):
-        hooks.append(Stats(train_args["options"]["run_dir"], rank, replay["stats_steps"]))
+        hooks.append(Stats(run_dir, rank, replay["stats_steps"]))
+    return hooks
+
+
+def replay_worker(rank: int, world_size: int, *, replay: dict, **train_args) -> int:
+    # at another data-parallel size a rank's digests are partials: the steps are compared afterwards
+    verify = [] if replay.get("other_dp") else [Verify(replay["original"], rank, replay["verify_until"])]
+    hooks = [*verify,
+             *_step_hooks(rank, replay, train_args["options"]["run_dir"])]
     return worker(rank, world_size, hooks=hooks, **train_args)
 
 
 replay_worker.before_process_group = enforce
+
+
+def megatron_replay_worker(rank: int, world_size: int, *, script: str, argv: list, replay: dict) -> int:
+    """One rank of a Megatron-LM run's replay: the entry point's rank with the change and the statistics as
+    the Megatron-LM hooks' step hooks. No ``Verify``: Megatron-LM stops at ``--exit-interval`` (K), and the
+    replayed steps are compared with the original's afterwards."""
+    from megatron_bitdet.megatron_lm import entry, hooks
+
+    hooks.STEP_HOOKS.extend(_step_hooks(rank, replay, replay["run_dir"]))
+    return entry.rank_worker(rank, world_size, script=script, argv=argv)
+
+
+megatron_replay_worker.owns_process_group = True
