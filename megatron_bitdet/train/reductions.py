@@ -33,7 +33,7 @@ _RECORD: dict = {}
 @contextlib.contextmanager
 def active(mode: str):
     """``mode``'s reductions for a block only (the tax alternates sides with and without them);
-    yields the swapped bindings ([] when c10d's reductions stay)."""
+    yields the swapped bindings ([] when c10d's reductions stay); ``dp_invariant`` adds the grad norm."""
     from megatron_bitdet.compat.collectives import swap_collectives
 
     reductions = kernels.from_environment(mode)
@@ -41,7 +41,16 @@ def active(mode: str):
         yield []
         return
     makers = kernels.wrappers(reductions)
-    with swap_collectives(lambda name, fn: makers[name](fn), tuple(makers)) as bindings:
+    with contextlib.ExitStack() as stack:
+        bindings = list(stack.enter_context(swap_collectives(lambda name, fn: makers[name](fn), tuple(makers))))
+        if mode == "dp_invariant":
+            from megatron.core.optimizer import optimizer as megatron_optimizer
+
+            from megatron_bitdet.compat.rebind import megatron_modules, rebound
+
+            original = megatron_optimizer.get_grad_norm_fp32
+            norm = stack.enter_context(rebound({original: exact_grad_norm(original)}, megatron_modules()))
+            bindings += [f"{m.__name__}:{a}" for m, a, _ in norm]
         yield bindings
 
 
@@ -64,14 +73,6 @@ def install(mode: str) -> dict | None:
     if reductions is None:
         return None
     bindings = _INSTALLED.enter_context(active(mode))
-    if mode == "dp_invariant":
-        from megatron.core.optimizer import optimizer as megatron_optimizer
-
-        from megatron_bitdet.compat.rebind import megatron_modules, rebound
-
-        original = megatron_optimizer.get_grad_norm_fp32
-        norm = _INSTALLED.enter_context(rebound({original: exact_grad_norm(original)}, megatron_modules()))
-        bindings = [*bindings, *(f"{m.__name__}:{a}" for m, a, _ in norm)]
     _RECORD.update(
         id=_IDS.get(mode, "emulated_ring_reductions"),
         mode=mode, transport=type(reductions.transport).__name__,

@@ -83,7 +83,8 @@ def build_model(recipe, config, provider) -> list:
         model = Float16Module(config, model)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=False,
+        overlap_grad_reduce=recipe.parallel.overlap_grad_reduce,
+        overlap_param_gather=recipe.parallel.overlap_param_gather,
         use_distributed_optimizer=recipe.parallel.distributed_optimizer,
     )
     return [DistributedDataParallel(config, ddp_config, model)]
@@ -124,15 +125,15 @@ def build_trainable(recipe, *, swaps, provider, enforcement=None, patches=(), se
     config.finalize_model_grads_func = finalize_model_grads
     config.grad_scale_func = optimizer.scale_loss
     config.no_sync_func = ddp_modules[0].no_sync
+    if recipe.parallel.overlap_grad_reduce:  # as Megatron-LM's training sets them (align_*: the defaults)
+        config.grad_sync_func = ddp_modules[0].start_grad_sync
+    if recipe.parallel.overlap_param_gather:
+        config.param_sync_func = ddp_modules[0].start_param_sync
     virtual = virtual_layout(recipe)
-    patches = list(patches)
     if virtual is not None:
         scale_by_virtual_dp(ddp_modules, virtual.virtual_dp)
-        grad_bytes = sum(b.grad_data.numel() * b.grad_data.element_size()
-                         for m in ddp_modules for b in (*m.buffers, *m.expert_parallel_buffers))
-        patches = [{**p, "virtual_layout": virtual.record(grad_bytes)} if p.get("id") == "dp_invariant_reductions"
-                   else p for p in patches]
-    return TrainState(recipe, config, ddp_modules, optimizer, scheduler, enforcement, patches, list(seams), virtual)
+    return TrainState(recipe, config, ddp_modules, optimizer, scheduler, enforcement, list(patches), list(seams),
+                      virtual)
 
 
 def setup(recipe, enforcement, *, provider) -> TrainState:
@@ -148,5 +149,11 @@ def setup(recipe, enforcement, *, provider) -> TrainState:
     init_parallel(recipe)
     installed = reductions.install(recipe.determinism.reductions)
     patches = patches + ([installed] if installed else [])
-    return build_trainable(recipe, swaps=swaps, provider=provider, enforcement=enforcement,
-                           patches=patches, seams=seams)
+    state = build_trainable(recipe, swaps=swaps, provider=provider, enforcement=enforcement,
+                            patches=patches, seams=seams)
+    if state.virtual is not None:  # what the mode applies on this layout, in the manifest's record
+        from megatron_bitdet.train.step_fingerprints import ddp_buffers
+
+        grad_bytes = sum(g.numel() * g.element_size() for g in ddp_buffers(state.ddp_modules, "grad_data"))
+        installed["virtual_layout"] = state.virtual.record(grad_bytes)
+    return state

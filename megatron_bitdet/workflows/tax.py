@@ -73,6 +73,7 @@ class TaxResult:
     phases_s: dict = field(default_factory=dict)  # rank 0's seconds from start to: built, rounds, profiled
     notes: list = field(default_factory=list)
     reductions_percent: float | None = None  # invariant vs native reductions, paired (None: not measured)
+    reductions_label: str = "topology-invariant reductions"  # which invariant reductions (dp_invariant: its layout)
 
     @property
     def dominant(self) -> str:
@@ -103,7 +104,7 @@ class TaxResult:
         return (f"tax {self.tax_percent:+.2f}% (paired {self.paired_tax_percent:+.2f}%): deterministic "
                 f"{self.deterministic.median_ms:.1f} ms vs {b.name} {b.median_ms:.1f} ms per step, "
                 f"{self.config.rounds} rounds on {self.nproc} ranks x {self.threads} threads; grew most: {self.dominant}"
-                + (f"; topology-invariant reductions {self.reductions_percent:+.2f}% (paired)"
+                + (f"; {self.reductions_label} {self.reductions_percent:+.2f}% (paired)"
                    if self.reductions_percent is not None else ""))
 
 
@@ -116,16 +117,16 @@ def candidates(recipe) -> list[dict]:
     would get that this side runs without) and "fill_uninitialized_memory" (torch's NaN-fill; default:
     the run recipe's)."""
     sides = [{"name": "deterministic", "recipe": recipe.to_dict(), "deterministic": True}]
-    if recipe.determinism.reductions == "topology_invariant":
+    if recipe.determinism.reductions != "native":
         d = recipe.to_dict()
-        d["determinism"]["reductions"] = "native"
+        d["determinism"].update(reductions="native", virtual_dp=None)
         sides.append({"name": NATIVE_REDUCTIONS, "recipe": d, "deterministic": True})
     moe = recipe.model.has("E")
     impls = ["sequential", "grouped"] + (["te_grouped"] if _on_cuda() else []) if moe else [None]
     for impl in impls:
         d = recipe.to_dict()
         d["determinism"]["mode"] = False
-        d["determinism"]["reductions"] = "native"  # the fastest nondeterministic recipe: c10d's reductions
+        d["determinism"].update(reductions="native", virtual_dp=None)  # the fastest: c10d's reductions
         if impl:
             d["model"]["moe"]["expert_impl"] = impl
         sides.append({"name": f"baseline[{impl}]" if impl else "baseline", "recipe": d, "deterministic": False})
@@ -181,6 +182,16 @@ def run_sides(recipe, sides: list, *, nproc: int, config: "TaxConfig", out_dir, 
     return stats, data["threads"], data["phases_s"]
 
 
+def reductions_label(recipe, nproc: int) -> str:
+    """What the deterministic side's reductions are, for the tax's notes and summary."""
+    d, p = recipe.determinism, recipe.parallel
+    if d.reductions != "dp_invariant":
+        return "topology-invariant reductions"
+    hosted = d.virtual_dp // max(1, nproc // (p.tensor * p.pipeline * p.context))
+    return (f"dp_invariant reductions (virtual_dp {d.virtual_dp}, {hosted} virtual rank(s) per rank: "
+            f"{hosted.bit_length() - 1} extra grad buffer(s))")
+
+
 def with_measured_batches(recipe, config: "TaxConfig"):
     """``recipe`` with exactly the iterations the rounds consume (the batches every side sees)."""
     from megatron_bitdet.recipe import Recipe
@@ -226,12 +237,13 @@ def measure_tax(recipe, *, nproc: int, rounds: int = 20, warmup: int = 3, out_di
     reductions_pct = None
     if native is not None:
         reductions_pct = float(np.median([a / b - 1 for a, b in zip(det.step_ms, native.step_ms)]) * 100)
-        notes.append(f"topology-invariant reductions: {reductions_pct:+.2f}% a step (paired) against the same "
-                     f"deterministic recipe with c10d's reductions ({native.median_ms:.2f} ms)")
+        notes.append(f"{reductions_label(recipe, nproc)}: {reductions_pct:+.2f}% a step (paired) against the same "
+                     f"deterministic recipe with c10d's reductions ({native.median_ms:.2f} ms); peak memory "
+                     f"{det.peak_memory_mib - native.peak_memory_mib:+.1f} MiB")
     result = TaxResult(deterministic=det, baseline=base, candidates=others,
                        tax_percent=(det.median_ms / base.median_ms - 1) * 100, paired_tax_percent=paired,
                        nproc=nproc, threads=threads, config=cfg, phases_s=phases, notes=notes,
-                       reductions_percent=reductions_pct)
+                       reductions_percent=reductions_pct, reductions_label=reductions_label(recipe, nproc))
     (out_dir / "tax.json").write_text(result.to_json())
     return result
 

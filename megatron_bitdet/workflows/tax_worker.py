@@ -180,6 +180,7 @@ def _build(side: Side, provider) -> None:
         side.recipe.data, seq_length=side.recipe.model.seq_length, seed=t.seed, micro_batch_size=t.micro_batch_size,
         global_batch_size=t.global_batch_size, dp_rank=ps.get_data_parallel_rank(),
         dp_size=ps.get_data_parallel_world_size(), train_samples=t.iterations * t.global_batch_size,
+        virtual_dp=side.recipe.determinism.virtual_dp,
     )
 
 
