@@ -226,6 +226,8 @@ TABLE = (
     _switch("parallel.sequence_parallel", "--sequence-parallel"),
     _switch("parallel.distributed_optimizer", "--use-distributed-optimizer"),
     _switch("parallel.tp_comm_overlap", "--tp-comm-overlap"),
+    _switch("parallel.overlap_grad_reduce", "--overlap-grad-reduce"),
+    _switch("parallel.overlap_param_gather", "--overlap-param-gather"),
     Flag("training.iterations", "--train-iters", _attr("train_iters")),
     Flag("training.micro_batch_size", "--micro-batch-size", _attr("micro_batch_size")),
     Flag("training.global_batch_size", "--global-batch-size", _attr("global_batch_size")),
@@ -319,6 +321,8 @@ def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str 
         raise BitdetInputError(f"these Megatron-LM flags cannot run here: {issue}")
     tree = {"name": base.name if base is not None else f"megatron-lm:{script}", **derived}
     tree["data"] = {"corpus": data or "megatron-lm data args"}
+    if getattr(args, "split", None):  # --split (Megatron's own default with --data-path), as the run reads it
+        tree["data"]["split"] = args.split
     tree["determinism"] = base.to_dict()["determinism"] if base is not None else {}
     if not deterministic:
         tree["determinism"]["mode"] = False

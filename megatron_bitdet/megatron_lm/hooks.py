@@ -218,9 +218,10 @@ def judge_line(session, args, defaults=None):
     config, rows); ``config``: the flags as on_validate leaves them for the model config; ``rows``: what
     this machine cannot run of it."""
     from megatron_bitdet.enforce import megatron_overrides
-    from megatron_bitdet.megatron_lm.validate import validated
+    from megatron_bitdet.megatron_lm.validate import refuse_unsupported, validated
 
     args = validated(args, _ORIGINALS["validate_args"], defaults, world_size=session.world_size)
+    refuse_unsupported(args, os.path.basename(session.script))
     recipe, judged = judge(session, args)
     overrides = megatron_overrides(recipe) if judged is not None and not judged[2] else {}
     config = argparse.Namespace(**{**vars(args), **overrides})
@@ -307,6 +308,10 @@ def on_validate(session, args, defaults=None) -> None:
     for warning in enforcement.warnings:
         print(f"[bitdet] warning: {warning}", file=sys.stderr, flush=True)
     session.patches = patching.apply_for(recipe, family=recipe.model.spec, swaps=enforcement.rules.swaps)
+    if recipe.determinism.reductions == "topology_invariant":  # the recipe's reductions, as bitdet train's setup
+        from megatron_bitdet.train import reductions
+
+        session.patches = [*session.patches, reductions.install("topology_invariant")]
     if judged is not None:
         swap_spec(recipe, args, enforcement.rules, in_place=True, config=args)
     session.manifest = _manifest(session, enforcement, args)
@@ -438,11 +443,16 @@ class DataPosition:
 
 def snapshot(session, iteration: int, model, optimizer, scheduler) -> None:
     """The live state after ``iteration`` steps, taken as step ``iteration + 1`` begins — in the
-    uninterrupted run and right after a restore alike (same point, same objects)."""
+    uninterrupted run and right after a restore alike (same point, same objects). With
+    ``--overlap-param-gather`` the parameter all-gather the step's forward would wait on is done first: a
+    restored state holds gathered parameters, and the gather's bits are the same either way."""
     import torch
 
     from megatron_bitdet.train.snapshot import take_snapshot
 
+    for chunk in model:
+        if chunk.ddp_config.use_distributed_optimizer and chunk.ddp_config.overlap_param_gather:
+            chunk.start_param_sync(force_sync=True)
     take_snapshot(session.run_dir, iteration, rank=torch.distributed.get_rank(), ddp_modules=model,
                   optimizer=optimizer, scheduler=scheduler, data=DataPosition(), full=session.opts.snapshot_full)
 

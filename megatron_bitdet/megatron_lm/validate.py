@@ -41,3 +41,22 @@ def validated(args, validate_args, defaults=None, *, world_size: int | None = No
                                    f"{exc or type(exc).__name__}") from None
     vars(probe).update(given)
     return probe
+
+
+def refuse_unsupported(args, script: str) -> None:
+    """Production flags bitdet cannot hold to its guarantees (or Megatron cannot build), refused before any
+    rank starts (exit 2), each naming the flag and the fix, every one at once:
+    ``--exit-duration-in-mins`` stops at a wall-clock time, so where a launch stops (and what it saves) is
+    not a function of the line; megatron-core's ``MambaStack`` asserts the virtual pipeline away."""
+    problems = []
+    if getattr(args, "exit_duration_in_mins", None):
+        problems.append(f"--exit-duration-in-mins {args.exit_duration_in_mins}: stops at a wall-clock time, so the "
+                        "step a launch stops at is not a function of the line (twins and resume chains could not "
+                        "be compared step for step); fix: drop it and stop with --exit-interval N (Megatron saves "
+                        "there with --save; --load resumes bitwise)")
+    if script == "pretrain_mamba.py" and getattr(args, "virtual_pipeline_model_parallel_size", None):
+        problems.append("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: "
+                        "megatron-core's MambaStack asserts 'The Mamba hybrid model does not currently support "
+                        "virtual/interleaved pipeline parallelism'; fix: drop it (pretrain_gpt.py takes it)")
+    if problems:
+        raise BitdetInputError("; ".join(problems))

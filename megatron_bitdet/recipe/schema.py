@@ -166,6 +166,13 @@ class ParallelConfig:
     sequence_parallel: bool = False
     distributed_optimizer: bool = False
     tp_comm_overlap: bool = False  # TE userbuffers GEMM+comm overlap; refused in deterministic mode
+    overlap_grad_reduce: bool = False  # DDP's bucket reductions launched during the backward
+    overlap_param_gather: bool = False  # the distributed optimizer's all-gather waited on by the forward
+
+    def _checks(self):
+        if self.overlap_param_gather and not (self.distributed_optimizer and self.overlap_grad_reduce):
+            yield "overlap_param_gather", ("needs distributed_optimizer: true and overlap_grad_reduce: true (as "
+                                           "Megatron-LM's validate_args)")
 
 
 @dataclass(frozen=True)

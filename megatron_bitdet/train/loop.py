@@ -216,6 +216,9 @@ def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, dig
             with untraced(tr):
                 digests.grads(step)
         ok, grad_norm, _ = traced_optimizer_step(tr, state.optimizer, model)
+        if recipe.parallel.overlap_param_gather:  # the all-gather the next forward would wait on, done now:
+            for m in model:  # the step's params digest, snapshots and checkpoints read the updated parameters
+                m.start_param_sync(force_sync=True)
     lr = state.optimizer.param_groups[0]["lr"]
     state.scheduler.step(increment=1)
     return StepOutput(losses, ok, grad_norm, lr, hosted_aux)

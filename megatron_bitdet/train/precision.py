@@ -60,14 +60,14 @@ def rebuild_compute_copy(optimizer) -> None:
     megatron's ``_copy_main_params_to_model_params``, called by ``MixedPrecisionOptimizer.step_with_ready_grads``
     right after every inner optimizer step; with the distributed optimizer followed, as in its
     ``step_with_ready_grads``, by the parameter all-gather (``start_param_sync``) that fills the shards
-    other ranks own."""
+    other ranks own, synchronous (with ``parallel.overlap_param_gather`` it would only be dispatched)."""
     from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
 
     for opt in _mixed_precision_optimizers(optimizer):
         opt._copy_main_params_to_model_params()
         if isinstance(opt, DistributedOptimizer):
             for chunk in opt.model_chunks:
-                chunk.start_param_sync()
+                chunk.start_param_sync(force_sync=True)
 
 
 def bf16_toward_zero(x: torch.Tensor) -> torch.Tensor:
@@ -87,7 +87,7 @@ def fault_round_compute_copy(optimizer) -> None:
                     r = opt._get_model_param_range_map(p)["param"]
                     p.detach().view(-1)[r.start:r.end].copy_(bf16_toward_zero(p.main_param))
             for chunk in opt.model_chunks:
-                chunk.start_param_sync()
+                chunk.start_param_sync(force_sync=True)
         else:
             for group in opt.float16_groups:
                 for p in group:
