@@ -4,7 +4,8 @@ Real gloo runs of the tiny hybrid recipe (M / * / E layers, EP 1, dropout on so 
 virtual rank starts from matters) at DP 1, 2 and 4 with virtual_dp 4 must write the same metrics and
 logical digests at every step, and ``bitdet compare`` must say MATCH across them; without the mode the
 DP 1 and DP 4 runs differ and compare refuses them for scope. The pieces the invariance rests on (the
-tree's composition, the exact grad-norm sum, the logical digest, the sampler) are checked directly.
+tree's composition, the exact grad-norm sum, the logical digest, the sampler) are checked directly;
+EP 2 at DP 2 and DP 4 (strided hosting keeps the EP groups) is a slow case.
 """
 from __future__ import annotations
 
@@ -118,7 +119,7 @@ def test_manifest_records_the_virtual_layout(runs):
 
     two = layout(runs["inv2"])
     assert (two["virtual_dp"], two["dp_size"], two["hosted_per_rank"], two["extra_grad_buffers"]) == (4, 2, 2, 1)
-    assert two["hosted_virtual_ranks"] == {"0": [0, 1], "1": [2, 3]} and two["extra_grad_bytes"] > 0
+    assert two["hosted_virtual_ranks"] == {"0": [0, 2], "1": [1, 3]} and two["extra_grad_bytes"] > 0
     assert layout(runs["inv1"])["extra_grad_buffers"] == 2
     assert layout(runs["inv4"])["extra_grad_buffers"] == 0
 
@@ -134,15 +135,26 @@ def test_a_dp_that_does_not_divide_v_or_a_v_not_a_power_of_two_is_refused(tmp_pa
     assert not (tmp_path / "r" / "fingerprints").exists()
 
 
-def test_the_pairwise_tree_composes_over_contiguous_blocks():
-    """A rank's hosted sum feeds the upper levels as its virtual ranks would (a left fold does not)."""
+def test_the_tree_composes_over_strided_hosting():
+    """A rank's hosted sum (virtual ranks r, r + DP, ...; streamed by GradTree in the order they run)
+    feeds the upper levels as those virtual ranks would; a left fold does not decompose."""
+    from megatron_bitdet.train.reductions import GradTree, VirtualLayout
+
     torch.manual_seed(0)
     leaves = torch.randn(8, 4096) * torch.logspace(-4, 4, 8).unsqueeze(1)
     whole = pairwise_sum(leaves)
-    for hosted in (1, 2, 4, 8):
-        partials = torch.stack([pairwise_sum(leaves[i:i + hosted]) for i in range(0, 8, hosted)])
-        assert torch.equal(pairwise_sum(partials).view(torch.int32), whole.view(torch.int32))
-    folded = torch.stack([rank_order_sum(leaves[i:i + 4]) for i in (0, 4)])
+    for dp in (1, 2, 4, 8):
+        partials = []
+        for r in range(dp):
+            live = torch.empty(4096)
+            tree = GradTree([live])
+            for v in VirtualLayout(8, dp, r).runs():
+                live.copy_(leaves[v])
+                tree.push()
+            tree.write_back()
+            partials.append(live.clone())
+        assert torch.equal(pairwise_sum(torch.stack(partials)).view(torch.int32), whole.view(torch.int32)), dp
+    folded = torch.stack([rank_order_sum(leaves[r::2]) for r in (0, 1)])
     assert not torch.equal(rank_order_sum(folded), rank_order_sum(leaves))
 
 
@@ -162,8 +174,9 @@ def test_the_square_sum_and_the_logical_digest_ignore_the_split():
     assert logical.encode(int(logical.partial_sum(swapped, key, 0).item())) not in digests
 
 
-def test_the_sampler_hosts_contiguous_virtual_ranks():
-    """At DP = V each rank draws the usual slice; at DP < V a rank draws its virtual ranks' micro-batches."""
+def test_the_sampler_hosts_strided_virtual_ranks():
+    """At DP = V each rank draws the usual slice; at DP < V a rank draws its virtual ranks' micro-batches
+    in the order it runs them."""
     samples = [{"tokens": torch.tensor([i])} for i in range(64)]
     identity = {"corpus_digest": "x", "global_batch_size": 16}
 
@@ -176,9 +189,19 @@ def test_the_sampler_hosts_contiguous_virtual_ranks():
     usual = {r: draws(V, r) for r in range(V)}
     for r in range(V):  # megatron's pretraining sampler: window d of mbs x DP samples, slice r
         assert usual[r] == ([[d * 2 * V + r * 2, d * 2 * V + r * 2 + 1] for d in range(4)], 32)
+    runs = {1: {0: [0, 2, 1, 3]}, 2: {0: [0, 2], 1: [1, 3]}}  # strided, in bit-reversed order
     for dp in (1, 2):
         for r in range(dp):
             hosted, consumed = draws(dp, r)
-            h = V // dp
-            per_step = [usual[r * h + k][0][s * 2:(s + 1) * 2] for s in range(2) for k in range(h)]
+            per_step = [usual[v][0][s * 2:(s + 1) * 2] for s in range(2) for v in runs[dp][r]]
             assert hosted == [b for block in per_step for b in block] and consumed == 32
+
+
+@pytest.mark.slow
+def test_ep_2_at_dp_2_and_4_give_the_same_bits(tmp_path, capsys):
+    """Strided hosting: at DP 2 the two ranks running at once are virtual ranks (0, 1), then (2, 3): the
+    EP groups of DP 4."""
+    two, four = (_train(tmp_path / f"ep{n}", n, [*INVARIANT, "parallel.expert=2"]) for n in (2, 4))
+    assert _logical(two) == _logical(four)
+    rc, out = _compare(two, four, capsys)
+    assert rc == 0 and "MATCH" in out, out

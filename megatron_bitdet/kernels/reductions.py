@@ -58,16 +58,28 @@ def rank_order_sum(chunks: torch.Tensor) -> torch.Tensor:
 
 
 def pairwise_sum(chunks: torch.Tensor) -> torch.Tensor:
-    """Adjacent pairs first, ``((c0 + c1) + (c2 + c3)) + ...``: a balanced binary tree over the leading
-    index. For a power-of-two count its subtrees over contiguous, aligned blocks are the sums of those
-    blocks by the same rule, so a rank holding the sum of leaves ``[kH, (k+1)H)`` feeds the upper
-    levels exactly as H ranks would (``dp_invariant``); an odd count carries its last chunk up a level."""
+    """A balanced binary tree over the leading index, halves first: chunk ``i`` is added to chunk
+    ``i + n/2``, then the same on the first half, down to one (an odd count adds its last chunk to the
+    last pair: the order of :func:`megatron_bitdet.kernels.moe_aux.tree_sum`). For a power-of-two count
+    its first levels add exactly the chunks congruent modulo any power of two dividing it, so a rank
+    holding the sum of leaves ``r, r + DP, r + 2DP, ...`` (summed by the same rule) feeds the upper
+    levels exactly as those ranks would (``dp_invariant``)."""
     acc = chunks
     while acc.shape[0] > 1:
         n = acc.shape[0]
-        paired = acc[0:n - 1:2] + acc[1:n:2]
-        acc = torch.cat([paired, acc[n - 1:]]) if n % 2 else paired
+        h = n // 2
+        nxt = acc[:h] + acc[h:2 * h]
+        if n % 2:
+            nxt[h - 1] += acc[2 * h]
+        acc = nxt
     return acc[0].clone()
+
+
+def bit_reversed(n: int) -> list[int]:
+    """0 .. n-1 (a power of two) in bit-reversed order: adjacent pairs of this order are the first
+    level of :func:`pairwise_sum`'s tree, so a streaming binary counter over it builds the same tree."""
+    bits = n.bit_length() - 1
+    return [int(f"{i:0{bits}b}"[::-1], 2) if bits else 0 for i in range(n)]
 
 
 def exact_square_sum(tensors: list, group, limb_bits: int = 24, limbs: int = 3) -> float:

@@ -30,6 +30,7 @@ from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegat
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from megatron_bitdet.errors import BitdetError, BitdetInputError
+from megatron_bitdet.kernels.reductions import bit_reversed
 from megatron_bitdet.train.data_cache import file_lock, files_manifest, manifest_matches, read_json, write_json_atomic
 from megatron_bitdet.train.data_corpus import PREFIX, ensure_indexed, read_corpus
 from megatron_bitdet.train.data_tokenizer import ByteTokenizer
@@ -105,18 +106,19 @@ class TrainData:
         return self
 
     def __next__(self) -> dict:
-        """Micro-batch ``j`` of hosted virtual rank ``h``: slice ``first + h`` of the step's window ``j``.
-        ``consumed_samples`` advances a window per draw of the last hosted virtual rank (with one hosted:
-        every draw), so at a step's end it has advanced by the global batch."""
+        """Micro-batch ``j`` of the ``e``-th hosted virtual rank to run, ``v = dp_rank + h * dp_size`` with
+        ``h`` the bit-reversal of ``e`` (``train.reductions.VirtualLayout``): slice ``v`` of the step's
+        window ``j``. ``consumed_samples`` advances a window per draw of the last one to run (with one
+        hosted: every draw), so at a step's end it has advanced by the global batch."""
         hosted = self.virtual_dp // self.dp_size
-        h, j = divmod(self._drawn, self.num_microbatches)
-        base = self.consumed_samples + (j * self.window if h < hosted - 1 else 0)
+        e, j = divmod(self._drawn, self.num_microbatches)
+        base = self.consumed_samples + (j * self.window if e < hosted - 1 else 0)
         if base + self.window > len(self.dataset):
             raise StopIteration
-        start = base + (self.dp_rank * hosted + h) * self.micro_batch_size
+        start = base + (self.dp_rank + bit_reversed(hosted)[e] * self.dp_size) * self.micro_batch_size
         samples = [self.dataset[i] for i in range(start, start + self.micro_batch_size)]
         self._drawn = (self._drawn + 1) % (hosted * self.num_microbatches)
-        if h == hosted - 1:
+        if e == hosted - 1:
             self.consumed_samples += self.window
         batch = {k: torch.stack([s[k] for s in samples]) for k in samples[0]}
         batch.setdefault("attention_mask", None)

@@ -97,9 +97,9 @@ def _gather(tensor, group) -> torch.Tensor:
     return torch.cat(parts)
 
 
-def _virtual_aux_average(entry: dict, hosted: list) -> torch.Tensor:
+def _virtual_aux_average(entry: dict, hosted: list, virtual) -> torch.Tensor:
     """Megatron's PP sum and reduce-group sum, then the DP average as the pairwise tree over the virtual
-    ranks' values (gathered: physical ranks host contiguous virtual ranks) divided by V."""
+    ranks' values (gathered, put in virtual-rank order) divided by V."""
     from megatron.core import parallel_state as ps
 
     from megatron_bitdet.kernels.moe_aux import rank_ordered_sum
@@ -107,14 +107,15 @@ def _virtual_aux_average(entry: dict, hosted: list) -> torch.Tensor:
     values = rank_ordered_sum(torch.stack(hosted), ps.get_pipeline_model_parallel_group())
     if entry.get("reduce_group") is not None:
         values = rank_ordered_sum(values, entry["reduce_group"])
-    per_virtual = _gather(values, ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False))
+    group = ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+    per_virtual = _gather(values, group)[virtual.gathered_order()]
     average = pairwise_sum(per_virtual) / per_virtual.shape[0]
     if entry.get("avg_group") is not None:
         average = rank_ordered_sum(average, entry["avg_group"]) / torch.distributed.get_world_size(entry["avg_group"])
     return average
 
 
-def _moe_aux_losses(recipe, num_microbatches: int, hosted=None) -> dict:
+def _moe_aux_losses(recipe, num_microbatches: int, hosted=None, virtual=None) -> dict:
     """Per-layer load-balancing losses reduced across ranks as Megatron-LM's ``track_moe_metrics``
     does (PP sum, reduce group, DP average), then cleared. The reduction goes through moe_utils'
     module global, so under the ``moe_aux_loss`` swap its rank-ordered sum is what runs. ``hosted``
@@ -127,7 +128,7 @@ def _moe_aux_losses(recipe, num_microbatches: int, hosted=None) -> dict:
         if hosted is None:
             moe_utils.reduce_aux_losses_tracker_across_ranks([name])
         else:
-            entry["values"].copy_(_virtual_aux_average(entry, hosted))
+            entry["values"].copy_(_virtual_aux_average(entry, hosted, virtual))
     return moe_aux_losses(num_microbatches, names=[name] if name else [])
 
 
@@ -144,8 +145,9 @@ def _lm_loss(losses_reduced, virtual=None):
     if virtual is None:
         total = per_microbatch.sum(dim=0)
         torch.distributed.all_reduce(total, group=group)
-    else:
-        total = pairwise_sum(_gather(per_microbatch, group))
+    else:  # rows (rank, hosted in run order, micro-batch) -> (virtual rank, micro-batch)
+        gathered = _gather(per_microbatch, group).view(-1, len(losses_reduced) // virtual.hosted, 2)
+        total = pairwise_sum(gathered[virtual.gathered_order()].view(-1, 2))
     return total[0] / total[1]
 
 
@@ -159,7 +161,8 @@ class StepOutput:
 
 
 def _hosted_forward_backward(state, run) -> tuple[list, list]:
-    """dp_invariant: each hosted virtual rank's micro-batches, from the step's RNG state (a rank at
+    """dp_invariant: each hosted virtual rank's micro-batches (in ``VirtualLayout.runs`` order, as the
+    sampler deals them), from the step's RNG state (a rank at
     DP = V starts there too: megatron's seeds do not depend on the DP rank) into zeroed buffers; the
     hosted gradients added by ``GradTree``; then megatron's finalize once (1/V scaling, the cross-rank
     pairwise tree). Returns the micro-batch loss reports and each virtual rank's aux-loss values."""
@@ -257,7 +260,7 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             losses, ok, grad_norm, lr = out.losses, out.ok, out.grad_norm, out.lr
             elapsed = time.perf_counter() - t0
             lm_loss = _lm_loss(losses, state.virtual)
-            aux = _moe_aux_losses(recipe, data.num_microbatches, out.hosted_aux)
+            aux = _moe_aux_losses(recipe, data.num_microbatches, out.hosted_aux, state.virtual)
             metrics = step_metrics(lm_loss=lm_loss, aux=aux, aux_coeff=moe_coeff, grad_norm=grad_norm, lr=lr)
             aux_total = metrics["aux_loss"]
             line = writer.write(step, metrics, *digests.resolve())

@@ -9,7 +9,7 @@ all-reduces (loss, grad norm) all go through :mod:`megatron_bitdet.kernels.reduc
 cross-rank sums are :func:`~megatron_bitdet.kernels.reductions.pairwise_sum` trees over the group's
 ranks, every DDP bucket scales by 1/V instead of 1/DP, the grad norm is the partition-free
 :func:`~megatron_bitdet.kernels.reductions.exact_square_sum`, and a physical rank hosting V/DP
-contiguous virtual ranks (:class:`VirtualLayout`) runs each one's micro-batches from the step's RNG
+strided virtual ranks (:class:`VirtualLayout`) runs each one's micro-batches from the step's RNG
 state into a zeroed buffer and adds the hosted gradients by the lower levels of the same tree
 (:class:`GradTree`); the loop's scalars follow the same structure (``train.loop``).
 """
@@ -83,8 +83,10 @@ def install(mode: str) -> dict | None:
 
 @dataclass(frozen=True)
 class VirtualLayout:
-    """This rank's place in ``dp_invariant``'s virtual layout: it hosts virtual ranks
-    ``first .. first + hosted - 1`` of ``virtual_dp``."""
+    """This rank's place in ``dp_invariant``'s virtual layout: rank ``r`` of DP hosts the virtual ranks
+    ``r, r + DP, r + 2DP, ...`` of ``virtual_dp`` (strided, so that the ranks running at once form the
+    same EP groups as at DP = V), run in bit-reversed order so that ``GradTree``'s adjacent pairs are
+    :func:`~megatron_bitdet.kernels.reductions.pairwise_sum`'s."""
 
     virtual_dp: int
     dp_size: int
@@ -94,15 +96,21 @@ class VirtualLayout:
     def hosted(self) -> int:
         return self.virtual_dp // self.dp_size
 
-    @property
-    def first(self) -> int:
-        return self.dp_rank * self.hosted
+    def runs(self, rank: int | None = None) -> list[int]:
+        """The virtual ranks ``rank`` (default this one) hosts, in the order it runs them."""
+        r = self.dp_rank if rank is None else rank
+        return [r + h * self.dp_size for h in kernels.bit_reversed(self.hosted)]
+
+    def gathered_order(self) -> list[int]:
+        """Row ``v`` of a DP-gathered [DP x hosted] stack is at this index: virtual-rank order."""
+        where = {v: i for i, v in enumerate(v for r in range(self.dp_size) for v in self.runs(r))}
+        return [where[v] for v in range(self.virtual_dp)]
 
     def record(self, grad_bytes: int) -> dict:
         """The manifest's account of what the mode applies on this rank."""
-        extra, h = GradTree.depth(self.hosted), self.hosted
-        return {"virtual_dp": self.virtual_dp, "dp_size": self.dp_size, "hosted_per_rank": h,
-                "hosted_virtual_ranks": {str(r): [r * h, r * h + h - 1] for r in range(self.dp_size)},
+        extra = GradTree.depth(self.hosted)
+        return {"virtual_dp": self.virtual_dp, "dp_size": self.dp_size, "hosted_per_rank": self.hosted,
+                "hosted_virtual_ranks": {str(r): self.runs(r) for r in range(self.dp_size)},
                 "gradient_scaling": f"1/{self.virtual_dp}", "extra_grad_buffers": extra,
                 "extra_grad_bytes": extra * grad_bytes}
 
@@ -133,8 +141,9 @@ def scale_by_virtual_dp(ddp_modules, virtual_dp: int) -> None:
 
 class GradTree:
     """The hosted virtual ranks' gradients added by the lower levels of the pairwise tree, as a binary
-    counter: a finished virtual rank's buffers are added to the pending partial of the same level
-    (earlier on the left), carrying upward; at most log2(hosted) partial copies are held at once."""
+    counter over the order they run (``VirtualLayout.runs``): a finished virtual rank's buffers are
+    added to the pending partial of the same level, carrying upward; at most log2(hosted) partial
+    copies are held at once."""
 
     def __init__(self, buffers: list):
         self.buffers = buffers      # the live DDP grad buffers backward accumulates into

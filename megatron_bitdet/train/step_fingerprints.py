@@ -133,12 +133,16 @@ def ddp_regions(ddp_modules) -> list[Region]:
     return regions
 
 
-def _coordinates() -> str:
-    """The model-parallel coordinates a parameter's logical key carries (its name repeats across them)."""
+def _coordinates(expert: bool) -> str:
+    """The model-parallel coordinates a parameter's logical key carries (its name repeats across them):
+    TP and PP ranks; for expert parameters the EP and expert-TP ranks (a dense parameter is replicated
+    across EP ranks, which are data-parallel ranks for it)."""
     from megatron.core import parallel_state as ps
 
-    return (f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}"
-            f".ep{ps.get_expert_model_parallel_rank()}.etp{ps.get_expert_tensor_parallel_rank()}")
+    if expert:
+        return (f"pp{ps.get_pipeline_model_parallel_rank()}.ep{ps.get_expert_model_parallel_rank()}"
+                f".etp{ps.get_expert_tensor_parallel_rank()}")
+    return f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}"
 
 
 def logical_pieces(ddp_modules) -> dict[str, list]:
@@ -148,11 +152,11 @@ def logical_pieces(ddp_modules) -> dict[str, list]:
     ``of`` equal parts; without it the same split of the replicated buffer), so every element of a
     replicated kind is digested by exactly one rank: params, grads (with the distributed optimizer the
     reduced shard), and fp32 main params (sharded: exactly that shard)."""
-    where = _coordinates()
     out: dict[str, list] = {"params": [], "grads": [], "main_params": []}
     for ci, m in enumerate(ddp_modules):
         names = {p: n for n, p in m.module.named_parameters()}
         for b in (*m.buffers, *m.expert_parallel_buffers):
+            where = _coordinates(b in m.expert_parallel_buffers)
             group = Group.of(b.data_parallel_group)
             for bucket in b.buckets:
                 n = bucket.grad_data.numel()
