@@ -205,3 +205,16 @@ def test_ep_2_at_dp_2_and_4_give_the_same_bits(tmp_path, capsys):
     assert _logical(two) == _logical(four)
     rc, out = _compare(two, four, capsys)
     assert rc == 0 and "MATCH" in out, out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("extra", [["model.params_dtype=bfloat16"], ["parallel.distributed_optimizer=false"]],
+                         ids=["bf16_main_params", "replicated_optimizer"])
+def test_dp_1_and_2_match_in_bf16_and_without_the_distributed_optimizer(tmp_path, capsys, extra):
+    one, two = (_train(tmp_path / f"dp{n}", n, [*INVARIANT, *extra]) for n in (1, 2))
+    steps = _logical(one)
+    assert steps == _logical(two)
+    if "bfloat16" in extra[0]:
+        assert "logical_main_params" in steps[0][2]
+    rc, out = _compare(one, two, capsys)
+    assert rc == 0 and "MATCH" in out, out
