@@ -5,6 +5,11 @@ Two run directories: their validation scopes (a scope change is its own diagnosi
 comparison, then the saved ladder result (RUN_A/ladder/result.json) or, unless offline, the ladder
 itself with its kernel rung. A run resumed from a checkpoint is not re-run: its divergence after the
 restore points at verify-resume. One directory: a verify-resume --out directory (verify_resume.json).
+
+Two Megatron-LM runs go through the same ladder (it re-launches their lines), and each next command is
+said in the line's language: a fixcheck of the run's script and launch line with the fix as flags to add
+or drop (a recipe key the flags table maps; else ``--bitdet-override``), env, or another ``--spec``;
+verify-resume on the line.
 """
 from __future__ import annotations
 
@@ -85,6 +90,55 @@ def _advice_that_changes_something(d: Diagnosis, manifests: list, run_a, run_b) 
         d.next = d.top.next
 
 
+def _fix_in_flags(key: str, value: str, line: list) -> str:
+    """A recipe fix ``key=value`` as fixcheck's flag options: the flag the flags table renders for it (a
+    switch turned off: dropped, when the line has it), else the entry point's ``--bitdet-override`` (with
+    ``--recipe RECIPE`` when the line has no recipe)."""
+    from megatron_bitdet.megatron_lm.args import TABLE
+
+    row = next((r for r in TABLE if r.key == key and r.flag), None)
+    tokens = None if row is None else row.put(yaml.safe_load(value)) if row.put else [row.flag, value]
+    if tokens:
+        return f'--fix-flags "{" ".join(tokens)}"'
+    if row is not None and row.flag in line:
+        return f"--fix-drop {row.flag[2:]}"
+    recipe = "" if "--recipe" in line else "--recipe RECIPE "
+    return f'--fix-flags "{recipe}--bitdet-override {key}={value}"'
+
+
+def _in_line_language(d: Diagnosis, manifest: dict) -> None:
+    """Next commands for a Megatron-LM run: the recipe's fixcheck / verify-resume become the line's."""
+    import shlex
+
+    from megatron_bitdet.megatron_lm.launch import rerun_args
+
+    argv = manifest.get("argv") or []
+    if not argv:
+        return
+    head = f"--megatron-lm {shlex.quote(argv[0])}"
+    words = rerun_args(list(argv[1:]))
+    line = f"-- {shlex.join(words)}"
+
+    def said(command: str) -> str:
+        if command.startswith("bitdet verify-resume --recipe RECIPE"):
+            return command.replace("--recipe RECIPE", head) + f" {line}"
+        if not command.startswith("bitdet fixcheck --recipe RECIPE"):
+            return command
+        fix = command[len("bitdet fixcheck --recipe RECIPE"):].strip()
+        m = _FIX.fullmatch(fix)
+        if m and m.group(1):  # --fix-env: the same option
+            flags = fix
+        elif m:
+            flags = _fix_in_flags(m.group(2), m.group(3), words)
+        else:  # --fix-provider: under Megatron-LM the model is the --spec
+            flags = '--fix-flags "--spec MODULE FIXED_SPEC"' if fix.startswith("--fix-provider") else None
+        return command if flags is None else f"bitdet fixcheck {head} {flags} {line}"
+
+    for c in d.causes:
+        c.next = said(c.next)
+    d.next = said(d.next)
+
+
 def doctor(run_a, run_b=None, *, offline: bool = False, ladder: LadderConfig = LadderConfig()) -> DoctorReport:
     """Evidence from what exists (running compare, and the ladder unless ``offline``), ranked causes."""
     if run_b is None:
@@ -137,6 +191,8 @@ def doctor(run_a, run_b=None, *, offline: bool = False, ladder: LadderConfig = L
     manifests = [_manifest(run_a), _manifest(run_b)]
     if None not in manifests:
         _advice_that_changes_something(d, manifests, run_a, run_b)
+        if manifests[0].get("megatron_lm"):
+            _in_line_language(d, manifests[0])
     if saved is None:
         d.notes.append(f"ranked from the fingerprints only; `{unsure}` gives the evidence that tells causes apart")
     return DoctorReport(d, sources, verdict)

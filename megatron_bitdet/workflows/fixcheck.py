@@ -9,6 +9,12 @@ metric and digest, all K steps present. The original's divergence is localized (
 rung) unless turned off; the fix is classified by the catalog's fix_changes; its tax comes from the
 interleaved tax machinery (fixed vs original in one launch). Exit 0 only for "original diverges,
 fixed matches".
+
+A Megatron-LM launch line (``fixcheck_line``) is checked the same way with the fix in its own language:
+flags added to the line (a flag already there takes the fix's value) and flags dropped from it. The
+recipe keys the runs' manifests record from their flags are classified as a recipe fix's are; a fix that
+changes none of them (another ``--spec`` module of the same family) is code: unclassified. Its tax is
+not measured here (``bitdet prove --megatron-lm`` on the fixed line measures a line's tax).
 """
 from __future__ import annotations
 
@@ -24,7 +30,7 @@ from megatron_bitdet.enforce.catalog import load_catalog
 from megatron_bitdet.analysis.compare import compare_runs
 from megatron_bitdet.analysis.diagnose import flatten
 from megatron_bitdet.errors import BitdetError, BitdetInputError
-from megatron_bitdet.rundir import logs_dir
+from megatron_bitdet.rundir import fresh, logs_dir
 
 RESULT_FILE = "fixcheck.json"
 
@@ -34,9 +40,46 @@ class Fix:
     overrides: list = field(default_factory=list)   # recipe key=value
     provider: str | None = None                     # another model provider (None: the original's)
     env: dict = field(default_factory=dict)         # env variables set for the fixed runs
+    add_flags: list = field(default_factory=list)   # Megatron-LM lines: [flag, value...] groups added
+    drop_flags: list = field(default_factory=list)  # Megatron-LM lines: flags dropped (with their values)
 
     def empty(self) -> bool:
-        return not (self.overrides or self.provider or self.env)
+        return not (self.overrides or self.provider or self.env or self.add_flags or self.drop_flags)
+
+
+def flag_groups(text: str, what: str) -> list[list[str]]:
+    """``"--a 1 --b --c x y"`` -> [["--a", "1"], ["--b"], ["--c", "x", "y"]] (a flag and the values after it)."""
+    import shlex
+
+    groups: list[list[str]] = []
+    for word in shlex.split(text):
+        if word.startswith("--"):
+            groups.append([word])
+        elif groups:
+            groups[-1].append(word)
+        else:
+            raise BitdetInputError(f"{what} {text!r}: expected flags (--name [values]), got {word!r} first")
+    if not groups:
+        raise BitdetInputError(f"{what} {text!r}: no flag in it")
+    return groups
+
+
+def fixed_line(line: list, fix: Fix) -> list[str]:
+    """The launch line with the fix: its dropped flags and every flag it adds taken out with all their values
+    (``--spec MODULE NAME`` has two), then the added flags appended. A flag to drop that the line does not
+    have is refused (exit 2)."""
+    names = {a.split("=", 1)[0] for a in line if a.startswith("--")}
+    absent = [f for f in fix.drop_flags if f not in names]
+    if absent:
+        raise BitdetInputError(f"--fix-drop {' '.join(absent)}: not on the launch line")
+    dropped = {*fix.drop_flags, *(g[0].split("=", 1)[0] for g in fix.add_flags)}
+    kept, dropping = [], False
+    for arg in line:
+        if arg.startswith("--"):
+            dropping = arg.split("=", 1)[0] in dropped
+        if not dropping:
+            kept.append(arg)
+    return [*kept, *(w for g in fix.add_flags for w in g)]
 
 
 @dataclass
@@ -98,6 +141,11 @@ def classify(original, fixed, fix: Fix, catalog=None) -> tuple[list, str]:
     if fix.provider:
         changes.append({"change": f"model provider {fix.provider}", "kind": "unclassified",
                         "what": "a different model builder: what it changes is code, judge it yourself"})
+    if (fix.add_flags or fix.drop_flags) and not changes:
+        changes.append({"change": " ".join([*(f"drop {f}" for f in fix.drop_flags),
+                                            *(f"add {' '.join(g)}" for g in fix.add_flags)]), "kind": "unclassified",
+                        "what": "launch-line flags that change no recipe key the runs record (e.g. another --spec "
+                                "module): what they change is code, judge it yourself"})
     kinds = {c["kind"] for c in changes}
     if not changes:
         return changes, "no change"
@@ -129,20 +177,27 @@ def _env(values: dict):
                 os.environ[k] = v
 
 
-def _launch_all(recipe, provider, nproc: int, dirs: list[Path], label: str) -> None:
-    """N runs of one configuration, two at a time side by side (consoles to stderr)."""
+def _launch_all(recipe, provider, nproc: int, dirs: list[Path], label: str, line=None) -> None:
+    """N runs of one configuration, two at a time side by side (consoles to stderr); ``line``: (script,
+    Megatron-LM launch line) instead of a recipe."""
     from megatron_bitdet.train.run import RunOptions, launch_training
 
     codes: dict = {}
 
     def one(d: Path):
         try:
-            codes[d] = launch_training(recipe, RunOptions(nproc=nproc, run_dir=d, model_provider=provider,
-                                                          argv=("bitdet", "fixcheck", f"({label})"), fresh=True))
+            if line is not None:
+                from megatron_bitdet.megatron_lm.launch import launch_line
+
+                codes[d] = launch_line(line[0], line[1], nproc=nproc, run_dir=fresh(d))
+            else:
+                codes[d] = launch_training(recipe, RunOptions(nproc=nproc, run_dir=d, model_provider=provider,
+                                                              argv=("bitdet", "fixcheck", f"({label})"), fresh=True))
         except BaseException as exc:  # reported below, in this thread
             codes[d] = exc
 
-    print(f"[fixcheck] {label}: {len(dirs)} runs of {recipe.training.iterations} steps", file=sys.stderr, flush=True)
+    steps = recipe.training.iterations if line is None else "its"
+    print(f"[fixcheck] {label}: {len(dirs)} runs of {steps} steps", file=sys.stderr, flush=True)
     with contextlib.redirect_stdout(sys.stderr):
         for i in range(0, len(dirs), 2):
             threads = [threading.Thread(target=one, args=(d,)) for d in dirs[i:i + 2]]
@@ -239,3 +294,59 @@ def fixcheck(recipe, fixed, fix: Fix, *, nproc: int, out_dir, provider=None, run
         notes.append("tax not measured: the fix was not validated")
     (out_dir / RESULT_FILE).write_text(json.dumps(result.to_json(), indent=1))
     return result
+
+
+def _localize(result: FixcheckResult, levels, repeats: int) -> None:
+    from megatron_bitdet.workflows.ladder import LadderConfig, run_ladder
+
+    first = _first(result.original)
+    if first:
+        result.localize = run_ladder(Path(first["a"]), Path(first["b"]),
+                                     LadderConfig(levels=tuple(levels), repeats=repeats)).to_json()
+
+
+def fixcheck_line(script: str, line: list, fix: Fix, *, nproc: int, out_dir, runs: int = 2, localize=True,
+                  levels=("op",), repeats: int = 20) -> FixcheckResult:
+    """The paired-runs validation of ``fix`` (flags to add / drop, env) on a Megatron-LM launch line."""
+    from megatron_bitdet.megatron_lm.launch import pasted
+    from megatron_bitdet.recipe import Recipe
+    from megatron_bitdet.workflows.megatron_resume import train_iters
+
+    if runs < 2:
+        raise BitdetInputError(f"fixcheck --runs {runs}: need at least 2 runs per configuration (a pair)")
+    if fix.overrides or fix.provider:
+        raise BitdetInputError("with --megatron-lm the fix is the launch line's: --fix-flags FLAGS, --fix-drop FLAG "
+                               "(or --fix-env NAME=VALUE); not --fix KEY=VALUE / --fix-provider")
+    if not (fix.add_flags or fix.drop_flags or fix.env):
+        raise BitdetInputError("fixcheck needs a fix: --fix-flags FLAGS, --fix-drop FLAG or --fix-env NAME=VALUE")
+    line = pasted(line, "fixcheck")
+    fixed = fixed_line(line, fix)
+    steps = train_iters(line)
+    if train_iters(fixed) != steps:
+        raise BitdetInputError("the fix must not change --train-iters (both pairs are compared over its steps)")
+    out_dir = Path(out_dir)
+    orig_dirs = [out_dir / "original" / f"run_{i}" for i in range(runs)]
+    fixed_dirs = [out_dir / "fixed" / f"run_{i}" for i in range(runs)]
+    _launch_all(None, None, nproc, orig_dirs, "original", line=(script, line))
+    with _env(fix.env):
+        _launch_all(None, None, nproc, fixed_dirs, "fixed", line=(script, fixed))
+    original_v, fixed_v = judge_pairs(orig_dirs, steps), judge_pairs(fixed_dirs, steps)
+    recorded = [Recipe.from_dict(_recorded(d), source=str(d / "manifest.json")) for d in (orig_dirs[0], fixed_dirs[0])]
+    changes, kind = classify(*recorded, fix)
+    result = FixcheckResult(str(out_dir), original_v, fixed_v, changes, kind,
+                            notes=["tax not measured for a Megatron-LM line: `bitdet prove --megatron-lm` on the "
+                                   "fixed line measures it"])
+    if localize:
+        _localize(result, levels, repeats)
+    if not original_v.diverged:
+        result.notes.append("the original pair did not diverge: the fix cannot be shown to fix anything "
+                            "(more runs, more steps, or a line that reproduces it)")
+    (out_dir / RESULT_FILE).write_text(json.dumps(result.to_json(), indent=1))
+    return result
+
+
+def _recorded(run_dir: Path) -> dict:
+    """The recipe a Megatron-LM run's manifest recorded from its flags."""
+    from megatron_bitdet.enforce.manifest import load_manifest
+
+    return load_manifest(run_dir)["recipe"]
