@@ -6,6 +6,8 @@ for bit); at the first step that differs it stops and names the cause from the m
 ranks the modules (every layer, every MoE expert) by how far step K's statistics depart from the steps
 before it: max |x|, RMS and non-finite values of outputs and output gradients, share of the gradient
 norm, router load. --counterfactual replays K with one change instead (each verified up to K-1).
+A Megatron-LM run is replayed from its own checkpoints (its line's --save), its line re-run with --load,
+--ckpt-step and --exit-interval K; its steps are compared afterwards (no stop at a first difference).
 Exit: 0 reproduced, 1 the replay differs from the original, 2 unusable input."""
 from __future__ import annotations
 
@@ -30,13 +32,15 @@ changes: skip-microbatch:M[@RANK] (micro-batch M of the step contributes nothing
 def register(subparsers, summary):
     p = subparsers.add_parser("replay", help=summary, description=__doc__, epilog=EXAMPLES,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("run_dir", metavar="RUN_DIR", help="a bitdet run directory with checkpoints")
+    p.add_argument("run_dir", metavar="RUN_DIR",
+                   help="a run directory with checkpoints (bitdet train, or bitdet megatron-lm with --save)")
     p.add_argument("overrides", nargs="*", metavar="KEY=VALUE",
                    help="recipe overrides for the replay, right after RUN_DIR (the replay's scope then differs)")
     p.add_argument("--step", type=int, required=True, metavar="K", help="the step to replay")
     p.add_argument("--context", type=int, default=2, metavar="C",
                    help="steps before K to replay as the baseline of the ranking (default 2)")
-    p.add_argument("--checkpoints", metavar="DIR", help="checkpoint root (default RUN_DIR/checkpoints)")
+    p.add_argument("--checkpoints", metavar="DIR",
+                   help="checkpoint root (default RUN_DIR/checkpoints; a Megatron-LM run's: its line's --save)")
     p.add_argument("--nproc", type=int, metavar="N",
                    help="replay on N ranks instead of the run's: another data-parallel size (the checkpoint "
                         "reshards); needs a run of determinism.reductions=dp_invariant")
