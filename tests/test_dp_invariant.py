@@ -135,6 +135,21 @@ def test_a_dp_that_does_not_divide_v_or_a_v_not_a_power_of_two_is_refused(tmp_pa
     assert not (tmp_path / "r" / "fingerprints").exists()
 
 
+@pytest.mark.slow
+def test_tax_reports_the_mode_below_v(tmp_path):
+    """At DP 2 < V the deterministic side hosts 2 virtual ranks a rank; the tax steps it beside the same
+    recipe with c10d's reductions (plain DP 2) and names the hosting in its note and summary."""
+    from megatron_bitdet.workflows.tax import NATIVE_REDUCTIONS, measure_tax
+
+    recipe = load_recipe(str(RECIPE), [*OVERRIDES, *INVARIANT])
+    tax = measure_tax(recipe, nproc=2, rounds=2, warmup=0, profile_steps=1, out_dir=tmp_path)
+    native = next(s for s in tax.candidates if s.name == NATIVE_REDUCTIONS)
+    assert tax.deterministic.invariant_reductions == [True] and native.invariant_reductions == [False]
+    label = "dp_invariant reductions (virtual_dp 4, 2 virtual rank(s) per rank: 1 extra grad buffer(s))"
+    assert tax.reductions_percent is not None and label in tax.summary()
+    assert any(n.startswith(label) and "peak memory" in n for n in tax.notes)
+
+
 def test_the_tree_composes_over_strided_hosting():
     """A rank's hosted sum (virtual ranks r, r + DP, ...; streamed by GradTree in the order they run)
     feeds the upper levels as those virtual ranks would; a left fold does not decompose."""
