@@ -1,8 +1,9 @@
 """Bits independent of the data-parallel size (issue 40): ``determinism.reductions: dp_invariant``.
 
 Real gloo runs of the tiny hybrid recipe (M / * / E layers, EP 1, dropout on so that the RNG a hosted
-virtual rank starts from matters) at DP 1, 2 and 4 with virtual_dp 4 must write the same metrics and
-logical digests at every step, and ``bitdet compare`` must say MATCH across them; without the mode the
+virtual rank starts from matters) at DP 1, 2 and 4 with virtual_dp 4, at the recipe's 2 torch threads (4
+ranks of 2 threads oversubscribe this machine's cores), must write the same metrics and logical digests at
+every step, and ``bitdet compare`` must say MATCH across them; without the mode the
 DP 1 and DP 4 runs differ and compare refuses them for scope. The pieces the invariance rests on (the
 tree's composition, the exact grad-norm sum, the logical digest, the sampler) are checked directly;
 EP 2 at DP 2 and DP 4 (strided hosting keeps the EP groups) is a slow case.
@@ -25,7 +26,7 @@ from megatron_bitdet.train.data import TrainData
 from megatron_bitdet.train.run import RunOptions, launch_training
 
 V = 4
-OVERRIDES = ["training.iterations=2", "training.lr_schedule.warmup_iters=0", "determinism.threads=1",
+OVERRIDES = ["training.iterations=2", "training.lr_schedule.warmup_iters=0", "determinism.threads=2",
              "parallel.expert=1", "model.hidden_dropout=0.1"]
 INVARIANT = ["determinism.reductions=dp_invariant", f"determinism.virtual_dp={V}"]
 
@@ -93,13 +94,25 @@ def test_without_the_mode_dp_1_and_4_differ_and_compare_refuses(runs, capsys):
     assert rc == 2 and "dp: A=1  B=4" in out, out
 
 
-def test_compare_refuses_another_virtual_dp_and_catches_a_flipped_partial(runs, tmp_path, capsys):
-    other_v = shutil.copytree(runs["inv4"], tmp_path / "other_v")
-    manifest = json.loads((other_v / "manifest.json").read_text())
-    manifest["recipe"]["determinism"]["virtual_dp"] = 2  # the same bits, said to be another virtual layout
-    (other_v / "manifest.json").write_text(json.dumps(manifest))
+def _edited(run: Path, to: Path, edit) -> Path:
+    """A copy of the run whose manifest ``edit`` changed (the same bits, said to be made otherwise)."""
+    shutil.copytree(run, to)
+    manifest = json.loads((to / "manifest.json").read_text())
+    edit(manifest)
+    (to / "manifest.json").write_text(json.dumps(manifest))
+    return to
+
+
+def test_compare_refuses_another_virtual_dp_or_tree_and_catches_a_flipped_partial(runs, tmp_path, capsys):
+    other_v = _edited(runs["inv4"], tmp_path / "other_v",
+                      lambda m: m["recipe"]["determinism"].update(virtual_dp=2))
     rc, out = _compare(runs["inv1"], other_v, capsys)
     assert rc == 2 and "dp: A=1  B=4" in out, out
+    # A run of another cross-virtual-rank structure (before the tree was halves-first over strided hosting,
+    # nothing was recorded: its DP 2 vs this DP 4 differed in grads and grad_norm) leaves the scope.
+    old_tree = _edited(runs["inv4"], tmp_path / "old_tree", lambda m: m["scope"].pop("dp_invariant_tree"))
+    rc, out = _compare(runs["inv2"], old_tree, capsys)
+    assert rc == 2 and "dp_invariant_tree: A='pairwise-halves-first" in out and "B=None" in out, out
 
     flipped = shutil.copytree(runs["inv4"], tmp_path / "flipped")
     path = flipped / "fingerprints" / "rank_00003.jsonl"

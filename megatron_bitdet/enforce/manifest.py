@@ -82,6 +82,12 @@ def precision_scope(model) -> str:
     return out
 
 
+# The cross-virtual-rank structure dp_invariant runs (kernels.reductions.pairwise_sum over train.reductions'
+# VirtualLayout / GradTree): its bits are those of this structure, so a change to it gets a new name here and
+# runs of another structure (or of none recorded) leave the scope instead of comparing as DIVERGED.
+DP_INVARIANT_TREE = "pairwise-halves-first/strided-hosting/bit-reversed-runs"
+
+
 def build_scope(recipe, *, world_size: int, threads: int, placement: dict | None = None,
                 model_provider: str | None = None) -> dict:
     """The flat validation scope for this process, recipe and world size; the model provider (a
@@ -101,6 +107,8 @@ def build_scope(recipe, *, world_size: int, threads: int, placement: dict | None
         "precision": precision_scope(recipe.model),
     })
     scope.update({f"torch/{k}": v for k, v in torch_flags().items()})
+    if recipe.determinism.reductions == "dp_invariant":
+        scope["dp_invariant_tree"] = DP_INVARIANT_TREE
     if placement is not None and placement_in_scope(recipe):
         scope["placement"] = json.dumps({"hosts": [r["host"] for r in placement["ranks"]],
                                          "emulated_ring": placement["emulated_ring"]})
