@@ -4,7 +4,8 @@ flag and the fix. Flags are combined onto as few launch lines as run together (e
 
 - PRODUCTION (pretrain_mamba.py): the overlap pair with the distributed optimizer under a ``--recipe`` with
   ``determinism.reductions: topology_invariant``, selective recompute, two blended datasets made by
-  Megatron-LM's own ``tools/preprocess_data.py`` with ``--split``, ``--async-save``; the resume chain stops
+  Megatron-LM's own ``tools/preprocess_data.py`` with ``--split``, ``--async-save`` (which Megatron turns off
+  without ``--use-persistent-ckpt-worker``; with it, a row of what this machine cannot run); the resume chain stops
   each segment through ``--exit-interval`` (Megatron saves there) and resumes it with ``--load``;
 - VPP (pretrain_gpt.py): PP 2 with a virtual pipeline, full recompute (megatron-core's MambaStack asserts
   the virtual pipeline away: pretrain_mamba.py with it is a refusal test);
@@ -17,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shlex
 import subprocess
 import sys
@@ -117,6 +119,13 @@ def assert_twins(runs: dict, rcs: list) -> dict:
     return json.loads((runs["a"] / "manifest.json").read_text())
 
 
+def assert_megatron_built(run: Path, **values: str) -> None:
+    """Megatron's own print of its validated args (rank 0's log) shows each ``name ... value``."""
+    printed = (run / "logs" / "rank_00000.log").read_text()
+    for name, value in values.items():
+        assert re.search(rf"^  {name} \.+ {re.escape(value)}$", printed, re.M), name
+
+
 def assert_resume_holds(name: str, line: list, reference: Path, out: Path, capsys) -> dict:
     """verify-resume on Megatron-LM's own checkpoints: 0 -> 2 stopped by --exit-interval 2 (saved there),
     2 -> 3 resumed with --load; every restored component and later step equal on both ranks."""
@@ -148,25 +157,28 @@ def test_production_line_twins_are_byte_identical(production_runs):
     assert manifest["recipe"]["data"]["split"] == "90,10,0"
     parallel = manifest["recipe"]["parallel"]
     assert parallel["distributed_optimizer"] and parallel["overlap_grad_reduce"] and parallel["overlap_param_gather"]
-    assert {"--async-save", "selective"} <= set(manifest["argv"])
+    # Megatron's validate_args turns --async-save off without --use-persistent-ckpt-worker, whose worker needs
+    # CUDA (a row of what this machine cannot run, below): here the line's saves are synchronous
+    assert_megatron_built(runs["a"], recompute_granularity="selective", async_save="False",
+                          overlap_param_gather="True", split="90,10,0")
 
 
 @megatron_lm
-def test_production_line_resume_holds_through_exit_interval_and_async_save(production_runs, tmp_path, capsys):
+def test_production_line_resume_holds_through_exit_interval(production_runs, tmp_path, capsys):
     line, runs, rcs = production_runs
     assert rcs[0] == 0
-    first = assert_resume_holds("pretrain_mamba.py", line, runs["a"], tmp_path, capsys)
-    assert "--async-save" in first
-    # the async save finished before the segment exited: the resumed segment loaded iteration 2
+    assert_resume_holds("pretrain_mamba.py", line, runs["a"], tmp_path, capsys)
     checkpoints = tmp_path / "segment_00_0000000-0000002" / "checkpoints"
     assert (checkpoints / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
 
 
 @megatron_lm
 def test_virtual_pipeline_with_full_recompute_twins_and_resume(vpp_runs, tmp_path, capsys):
+    """PP 2 with 2 virtual stages per rank (Megatron's interleaved schedule), full recompute."""
     line, runs, rcs = vpp_runs
     manifest = assert_twins(runs, rcs)
     assert manifest["recipe"]["parallel"]["pipeline"] == 2
+    assert_megatron_built(runs["a"], virtual_pipeline_model_parallel_size="2", recompute_granularity="full")
     assert_resume_holds("pretrain_gpt.py", line, runs["a"], tmp_path, capsys)
 
 
@@ -181,6 +193,25 @@ def test_tp2_sequence_parallel_bf16_overlap_twins_and_resume(tp2_runs, tmp_path,
     assert recipe["model"]["params_dtype"] == "bfloat16"
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     assert_resume_holds("pretrain_mamba.py", line, runs["a"], tmp_path, capsys)
+
+
+@megatron_lm
+def test_async_save_with_its_worker_is_a_row_of_what_this_machine_cannot_run(tmp_path, capsys):
+    """--async-save takes effect only with --use-persistent-ckpt-worker (validate_args), and that worker sets a
+    CUDA device: --check lists it (exit 3) and the launch exits 2 before any rank starts."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("judges a machine without CUDA")
+    line = [*MAMBA, "--async-save", "--use-persistent-ckpt-worker"]
+    assert bitdet(["megatron-lm", "--check", "--nproc", "2", script("pretrain_mamba.py"), *line]) == 3
+    [row] = machine_section(capsys.readouterr().out)
+    assert row.startswith("--async-save --use-persistent-ckpt-worker: needs a CUDA device")
+    assert row.endswith("fix: drop --use-persistent-ckpt-worker (Megatron then turns --async-save off and saves "
+                        "synchronously)")
+    assert bitdet(["megatron-lm", "--nproc", "2", "--run-dir", str(tmp_path / "run"), script("pretrain_mamba.py"),
+                   *line]) == 2
+    assert "no rank started" in capsys.readouterr().err and not (tmp_path / "run" / "logs").exists()
 
 
 @megatron_lm

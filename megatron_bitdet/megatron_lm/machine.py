@@ -117,6 +117,10 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
         if get("cuda_graph_impl", "none") != "none":
             out.append(Missing(f"CUDA graphs (--cuda-graph-impl {a.cuda_graph_impl})", "a CUDA device",
                                "drop --cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"))
+        if get("async_save") and get("use_persistent_ckpt_worker"):  # validate_args drops --async-save without it
+            out.append(Missing("--async-save --use-persistent-ckpt-worker", "a CUDA device (the persistent "
+                               "checkpoint worker sets one)", "drop --use-persistent-ckpt-worker (Megatron then "
+                               "turns --async-save off and saves synchronously)"))
         if get("moe_grouped_gemm"):
             out.append(Missing("--moe-grouped-gemm (not swapped)", "a CUDA device (validate_args reads its "
                                "compute capability) and Transformer Engine", "drop --moe-grouped-gemm"))
