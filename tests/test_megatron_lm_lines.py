@@ -275,6 +275,7 @@ MACHINE_ROWS = [
     ({"batch_invariant_mode": True}, "drop --batch-invariant-mode"),
     ({"cuda_graph_impl": "local"}, "drop --cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"),
     ({"moe_grouped_gemm": True}, "drop --moe-grouped-gemm"),
+    ({"pipeline_model_parallel_size": 2}, "add --untie-embeddings-and-output-weights"),  # tied: .cuda() across PP
 ]
 
 
@@ -333,3 +334,26 @@ def test_pretrain_mamba_without_spec_names_the_spec_to_pass(capsys):
     assert row.startswith("pretrain_mamba.py without --spec: needs a layer spec")
     assert row.endswith("fix: add --spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec --transformer-impl "
                         "local (Transformer Engine is absent here)")
+
+
+@megatron_lm
+def test_mamba_groups_and_an_unimportable_spec_exit_2_before_any_rank_naming_the_flags(tmp_path, capsys, monkeypatch):
+    """train.sh at --hidden-size 128: 2 * 128 / --mamba-head-dim 64 = 4 heads in Megatron's default 8 groups, which
+    megatron-core's MambaMixer asserts in every rank; judged first, the fix a group count that fits (and
+    the line with it gets past). A --spec module that does not import is named with its error, not read
+    as "without --spec" (megatron-core's importer returns None)."""
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
+    check = ["megatron-lm", "--check", "--nproc", "8", script("pretrain_mamba.py")]
+    line = [*train_sh(tmp_path, HIDDEN_SIZE="128"), "--deterministic-mode"]
+    assert bitdet([*check, *line]) == 2
+    err = capsys.readouterr().err
+    assert "4 Mamba heads (--hidden-size 128 x expand 2 / --mamba-head-dim 64) with --mamba-num-groups 8" in err, err
+    assert "'nheads must be evenly divisible by ngroups'; fix: set --mamba-num-groups 4" in err, err
+    assert bitdet([*check, *line, "--mamba-num-groups", "4"]) == 3
+    assert "Mamba heads" not in capsys.readouterr().err
+    bad = replace(train_sh(tmp_path), "--spec", 2, ["--spec", "no_such_spec_module", "mamba_stack_spec"])
+    assert bitdet([*check, *bad]) == 2
+    captured = capsys.readouterr()
+    assert ("--spec no_such_spec_module mamba_stack_spec: the spec module no_such_spec_module could not be "
+            "imported: ModuleNotFoundError: No module named 'no_such_spec_module'") in captured.err, captured.err
+    assert "without --spec" not in captured.out + captured.err

@@ -136,7 +136,7 @@ def _fp8(name):
 
 
 # megatron-core 0.16.1's MambaMixer defaults; no Megatron-LM flag sets them (a spec's mixer params do)
-MAMBA_DEFAULTS = {"chunk_size": 128, "d_conv": 4}
+MAMBA_DEFAULTS = {"chunk_size": 128, "d_conv": 4, "expand": 2}
 
 
 def _mixer_param(name: str):

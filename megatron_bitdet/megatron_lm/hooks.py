@@ -130,16 +130,25 @@ def derive_recipe(session, args, audited=None):
 
 
 def launch_spec(args):
-    """The object ``--spec MODULE NAME`` names (what Megatron's builder will build from), or None."""
+    """The object ``--spec MODULE NAME`` names (what Megatron's builder will build from), or None.
+    Imported as megatron-core's ``spec_utils.import_module`` does, but its failure is exit 2 naming the module
+    and the error: Megatron's logs an ImportError and returns None, read later as "no --spec"."""
     spec = getattr(args, "spec", None)
     if not spec:
         return None
-    from megatron.core.transformer.spec_utils import import_module
+    import importlib
 
+    if len(spec) != 2:
+        raise BitdetInputError(f"--spec {' '.join(spec)}: takes MODULE NAME (two values)")
+    module, name = spec
     try:
-        return import_module(spec)
+        found = vars(importlib.import_module(module))
     except Exception as exc:  # any import failure of the user's module is bad input
-        raise BitdetInputError(f"--spec {' '.join(spec)}: cannot import it: {exc}") from None
+        raise BitdetInputError(f"--spec {module} {name}: the spec module {module} could not be imported: "
+                               f"{type(exc).__name__}: {exc}") from None
+    if name not in found:
+        raise BitdetInputError(f"--spec {module} {name}: the spec module {module} has no {name}")
+    return found[name]
 
 
 def judge(session, args):

@@ -47,7 +47,8 @@ def refuse_unsupported(args, script: str) -> None:
     """Production flags bitdet cannot hold to its guarantees (or Megatron cannot build), refused before any
     rank starts (exit 2), each naming the flag and the fix, every one at once:
     ``--exit-duration-in-mins`` stops at a wall-clock time, so where a launch stops (and what it saves) is
-    not a function of the line; megatron-core's ``MambaStack`` asserts the virtual pipeline away."""
+    not a function of the line; megatron-core's ``MambaStack`` asserts the virtual pipeline away, and its
+    ``MambaMixer`` the head / group counts that do not divide (``_mamba_heads``)."""
     problems = []
     if getattr(args, "exit_duration_in_mins", None):
         problems.append(f"--exit-duration-in-mins {args.exit_duration_in_mins}: stops at a wall-clock time, so the "
@@ -58,5 +59,43 @@ def refuse_unsupported(args, script: str) -> None:
         problems.append("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: "
                         "megatron-core's MambaStack asserts 'The Mamba hybrid model does not currently support "
                         "virtual/interleaved pipeline parallelism'; fix: drop it (pretrain_gpt.py takes it)")
+    if script == "pretrain_mamba.py":
+        problems += _mamba_heads(args)
     if problems:
         raise BitdetInputError("; ".join(problems))
+
+
+def _mamba_heads(args) -> list[str]:
+    """megatron-core 0.16.1's ``MambaMixer.__init__`` arithmetic on the flags (``expand``: the ``--spec``'s
+    mixer params, else 2): heads from ``--mamba-num-heads``, else ``expand * --hidden-size / --mamba-head-dim``;
+    every TP rank one head and one group, every group whole heads. Each assert it would raise in every rank."""
+    from megatron_bitdet.megatron_lm.args import _mixer_param, hybrid_pattern
+
+    if "M" not in hybrid_pattern(args):
+        return []
+    groups, head_dim, tp = args.mamba_num_groups, args.mamba_head_dim, args.tensor_model_parallel_size
+    heads, expand = args.mamba_num_heads, _mixer_param("expand")(args)
+    if min(groups, head_dim, 1 if heads is None else heads) <= 0:
+        return [f"--mamba-num-groups {groups} / --mamba-head-dim {head_dim} / --mamba-num-heads {heads}: "
+                "megatron-core's MambaMixer asserts each positive; fix: set it to a positive count"]
+    if heads is None:
+        inner = int(expand * args.hidden_size)
+        if inner % head_dim:
+            return [f"--hidden-size {args.hidden_size} / --mamba-head-dim {head_dim}: megatron-core's MambaMixer "
+                    f"asserts 'd_inner must be evenly divisible by headdim' (d_inner {inner}); fix: add "
+                    f"--mamba-head-dim dividing {inner}, or --mamba-num-heads"]
+        heads = inner // head_dim
+    named = f"--mamba-num-heads {args.mamba_num_heads}" if args.mamba_num_heads is not None else \
+        f"{heads} Mamba heads (--hidden-size {args.hidden_size} x expand {expand} / --mamba-head-dim {head_dim})"
+    out = []
+    if heads % groups:
+        fit = max((g for g in range(tp, min(groups, heads) + 1, tp) if heads % g == 0), default=None)
+        out.append(f"{named} with --mamba-num-groups {groups}: megatron-core's MambaMixer asserts 'nheads must be "
+                   f"evenly divisible by ngroups'; fix: set --mamba-num-groups {fit or 'G dividing the heads'} "
+                   f"(or --mamba-num-heads / --mamba-head-dim / --hidden-size giving a multiple of {groups} heads)")
+    for what, n, flag in ((named, heads, "nheads"), (f"--mamba-num-groups {groups}", groups, "ngroups")):
+        if n % tp:
+            out.append(f"{what} at --tensor-model-parallel-size {tp}: megatron-core's MambaMixer asserts '{flag} "
+                       f"must be evenly divisible by tp_size'; fix: a multiple of {tp} (or a smaller "
+                       "--tensor-model-parallel-size)")
+    return out
