@@ -276,6 +276,8 @@ MACHINE_ROWS = [
     ({"cuda_graph_impl": "local"}, "drop --cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"),
     ({"moe_grouped_gemm": True}, "drop --moe-grouped-gemm"),
     ({"pipeline_model_parallel_size": 2}, "add --untie-embeddings-and-output-weights"),  # tied: .cuda() across PP
+    ({"pipeline_model_parallel_size": 2, "untie_embeddings_and_output_weights": True, "mtp_num_layers": 1},
+     "drop --mtp-num-layers"),
 ]
 
 

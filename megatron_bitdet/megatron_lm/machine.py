@@ -121,11 +121,15 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
             out.append(Missing("--async-save --use-persistent-ckpt-worker", "a CUDA device (the persistent "
                                "checkpoint worker sets one)", "drop --use-persistent-ckpt-worker (Megatron then "
                                "turns --async-save off and saves synchronously)"))
-        if (get("pipeline_model_parallel_size") or 1) > 1 and not get("untie_embeddings_and_output_weights"):
-            out.append(Missing("tied embeddings (Megatron's default) at --pipeline-model-parallel-size "
-                               f"{a.pipeline_model_parallel_size}", "a CUDA device (megatron-core's LanguageModule "
-                               "moves the output layer's copy of the embedding with .cuda() to sum it across the "
-                               "first and last stage)", "add --untie-embeddings-and-output-weights"))
+        copy = "a CUDA device (megatron-core's LanguageModule moves the last stage's embedding copy with .cuda())"
+        if (get("pipeline_model_parallel_size") or 1) > 1:
+            if not get("untie_embeddings_and_output_weights"):
+                out.append(Missing("tied embeddings (Megatron's default) at --pipeline-model-parallel-size "
+                                   f"{a.pipeline_model_parallel_size}", copy,
+                                   "add --untie-embeddings-and-output-weights"))
+            if get("mtp_num_layers"):
+                out.append(Missing(f"--mtp-num-layers {a.mtp_num_layers} at --pipeline-model-parallel-size "
+                                   f"{a.pipeline_model_parallel_size}", copy, "drop --mtp-num-layers"))
         if get("moe_grouped_gemm"):
             out.append(Missing("--moe-grouped-gemm (not swapped)", "a CUDA device (validate_args reads its "
                                "compute capability) and Transformer Engine", "drop --moe-grouped-gemm"))
