@@ -20,7 +20,8 @@ import torch
 from conftest import RECIPE
 from megatron_bitdet.cli import main as bitdet
 from megatron_bitdet.fingerprint import logical
-from megatron_bitdet.kernels.reductions import exact_square_sum, pairwise_sum, rank_order_sum
+from megatron_bitdet.kernels.moe_aux import tree_sum
+from megatron_bitdet.kernels.reductions import exact_square_sum, rank_order_sum
 from megatron_bitdet.recipe import load_recipe
 from megatron_bitdet.train.data import TrainData
 from megatron_bitdet.train.run import RunOptions, launch_training
@@ -170,7 +171,7 @@ def test_the_tree_composes_over_strided_hosting():
 
     torch.manual_seed(0)
     leaves = torch.randn(8, 4096) * torch.logspace(-4, 4, 8).unsqueeze(1)
-    whole = pairwise_sum(leaves)
+    whole = tree_sum(leaves)
     for dp in (1, 2, 4, 8):
         partials = []
         for r in range(dp):
@@ -181,7 +182,7 @@ def test_the_tree_composes_over_strided_hosting():
                 tree.push()
             tree.write_back()
             partials.append(live.clone())
-        assert torch.equal(pairwise_sum(torch.stack(partials)).view(torch.int32), whole.view(torch.int32)), dp
+        assert torch.equal(tree_sum(torch.stack(partials)).view(torch.int32), whole.view(torch.int32)), dp
     folded = torch.stack([rank_order_sum(leaves[r::2]) for r in (0, 1)])
     assert not torch.equal(rank_order_sum(folded), rank_order_sum(leaves))
 

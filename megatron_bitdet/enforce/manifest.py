@@ -82,7 +82,7 @@ def precision_scope(model) -> str:
     return out
 
 
-# The cross-virtual-rank structure dp_invariant runs (kernels.reductions.pairwise_sum over train.reductions'
+# The cross-virtual-rank structure dp_invariant runs (kernels.moe_aux.tree_sum over train.reductions'
 # VirtualLayout / GradTree): its bits are those of this structure, so a change to it gets a new name here and
 # runs of another structure (or of none recorded) leave the scope instead of comparing as DIVERGED.
 DP_INVARIANT_TREE = "pairwise-halves-first/strided-hosting/bit-reversed-runs"

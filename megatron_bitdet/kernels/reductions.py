@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_bitdet.enforce.env import EMULATED_RING_ENV
+from megatron_bitdet.kernels.moe_aux import tree_sum
 
 REDUCING_OPS = (dist.ReduceOp.SUM, dist.ReduceOp.AVG)
 
@@ -57,27 +58,10 @@ def rank_order_sum(chunks: torch.Tensor) -> torch.Tensor:
     return acc
 
 
-def pairwise_sum(chunks: torch.Tensor) -> torch.Tensor:
-    """A balanced binary tree over the leading index, halves first: chunk ``i`` is added to chunk
-    ``i + n/2``, then the same on the first half, down to one (an odd count adds its last chunk to the
-    last pair: the order of :func:`megatron_bitdet.kernels.moe_aux.tree_sum`). For a power-of-two count
-    its first levels add exactly the chunks congruent modulo any power of two dividing it, so a rank
-    holding the sum of leaves ``r, r + DP, r + 2DP, ...`` (summed by the same rule) feeds the upper
-    levels exactly as those ranks would (``dp_invariant``)."""
-    acc = chunks
-    while acc.shape[0] > 1:
-        n = acc.shape[0]
-        h = n // 2
-        nxt = acc[:h] + acc[h:2 * h]
-        if n % 2:
-            nxt[h - 1] += acc[2 * h]
-        acc = nxt
-    return acc[0].clone()
-
-
 def bit_reversed(n: int) -> list[int]:
     """0 .. n-1 (a power of two) in bit-reversed order: adjacent pairs of this order are the first
-    level of :func:`pairwise_sum`'s tree, so a streaming binary counter over it builds the same tree."""
+    level of :func:`~megatron_bitdet.kernels.moe_aux.tree_sum`'s tree, so a streaming binary counter
+    over it builds the same tree."""
     bits = n.bit_length() - 1
     return [int(f"{i:0{bits}b}"[::-1], 2) if bits else 0 for i in range(n)]
 
@@ -183,7 +167,7 @@ class Reductions:
 
     ``ordinary`` (only with a ring transport) is the emulated library ring: partial sums formed in
     travel order. Otherwise a reduction is exact movement plus ``combine`` over the group's chunks:
-    :func:`rank_order_sum`, or :func:`pairwise_sum` (``dp_invariant``)."""
+    :func:`rank_order_sum`, or ``moe_aux.tree_sum`` (``dp_invariant``)."""
 
     def __init__(self, transport: CollectiveTransport, *, ordinary: bool = False, combine=rank_order_sum):
         if ordinary and not isinstance(transport, RingTransport):
@@ -220,13 +204,16 @@ class Reductions:
 
 def from_environment(mode: str):
     """The reductions for a recipe's ``determinism.reductions`` mode, or None to keep c10d's
-    (``dp_invariant``: the pairwise tree over the group's chunks, see :func:`pairwise_sum`).
+    (``dp_invariant``: the halves-first pairwise tree over the group's chunks, ``moe_aux.tree_sum``: for
+    a power-of-two count its first levels add exactly the chunks congruent modulo any power of two
+    dividing it, so a rank holding the sum of leaves ``r, r + DP, r + 2DP, ...`` (summed by the same
+    rule) feeds the upper levels exactly as those ranks would).
 
     ``BITDET_EMULATED_RING=<seed>`` (tests, benchmarks) routes the data over an emulated physical
     ring; with mode ``native`` the reductions then are that ring's ordinary travel-order sums."""
     seed = os.environ.get(EMULATED_RING_ENV)
     invariant = mode in ("topology_invariant", "dp_invariant")
-    combine = pairwise_sum if mode == "dp_invariant" else rank_order_sum
+    combine = tree_sum if mode == "dp_invariant" else rank_order_sum
     if seed is None:
         return Reductions(CollectiveTransport(), combine=combine) if invariant else None
     return Reductions(RingTransport(int(seed)), ordinary=not invariant, combine=combine)

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
-from megatron_bitdet.kernels.reductions import pairwise_sum
+from megatron_bitdet.kernels.moe_aux import tree_sum
 from megatron_bitdet.train.console import Console
 from megatron_bitdet.train.module_state import capture_module_rng, restore_module_rng
 from megatron_bitdet.train.step_fingerprints import StepDigests, ddp_buffers, moe_aux_losses, step_metrics
@@ -109,7 +109,7 @@ def _virtual_aux_average(entry: dict, hosted: list, virtual) -> torch.Tensor:
         values = rank_ordered_sum(values, entry["reduce_group"])
     group = ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
     per_virtual = _gather(values, group)[virtual.gathered_order()]
-    average = pairwise_sum(per_virtual) / per_virtual.shape[0]
+    average = tree_sum(per_virtual) / per_virtual.shape[0]
     if entry.get("avg_group") is not None:
         average = rank_ordered_sum(average, entry["avg_group"]) / torch.distributed.get_world_size(entry["avg_group"])
     return average
@@ -147,7 +147,7 @@ def _lm_loss(losses_reduced, virtual=None):
         torch.distributed.all_reduce(total, group=group)
     else:  # rows (rank, hosted in run order, micro-batch) -> (virtual rank, micro-batch)
         gathered = _gather(per_microbatch, group).view(-1, len(losses_reduced) // virtual.hosted, 2)
-        total = pairwise_sum(gathered[virtual.gathered_order()].view(-1, 2))
+        total = tree_sum(gathered[virtual.gathered_order()].view(-1, 2))
     return total[0] / total[1]
 
 

@@ -6,7 +6,7 @@ bucket all-reduce / distributed-optimizer reduce-scatter, the TP/SP mappings and
 all-reduces (loss, grad norm) all go through :mod:`megatron_bitdet.kernels.reductions`.
 
 ``dp_invariant`` (``virtual_dp: V``) makes the bits independent of the data-parallel size: the
-cross-rank sums are :func:`~megatron_bitdet.kernels.reductions.pairwise_sum` trees over the group's
+cross-rank sums are :func:`~megatron_bitdet.kernels.moe_aux.tree_sum` trees over the group's
 ranks, every DDP bucket scales by 1/V instead of 1/DP, the grad norm is the partition-free
 :func:`~megatron_bitdet.kernels.reductions.exact_square_sum`, and a physical rank hosting V/DP
 strided virtual ranks (:class:`VirtualLayout`) runs each one's micro-batches from the step's RNG
@@ -86,7 +86,7 @@ class VirtualLayout:
     """This rank's place in ``dp_invariant``'s virtual layout: rank ``r`` of DP hosts the virtual ranks
     ``r, r + DP, r + 2DP, ...`` of ``virtual_dp`` (strided, so that the ranks running at once form the
     same EP groups as at DP = V), run in bit-reversed order so that ``GradTree``'s adjacent pairs are
-    :func:`~megatron_bitdet.kernels.reductions.pairwise_sum`'s."""
+    :func:`~megatron_bitdet.kernels.moe_aux.tree_sum`'s."""
 
     virtual_dp: int
     dp_size: int
