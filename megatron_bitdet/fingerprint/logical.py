@@ -16,7 +16,7 @@ import xxhash
 
 ALGO = "lsum64"
 _MASK = (1 << 64) - 1
-_K1, _K2, _K3, _K4 = (0x9E3779B97F4A7C15, 0xC2B2AE3D27D4EB4F, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB)
+_K2 = 0xC2B2AE3D27D4EB4F  # the bits' multiplier (the index's is tensor's golden ratio, the finalizer splitmix64's)
 
 
 def _signed(x: int) -> int:
@@ -38,21 +38,17 @@ def _bits(flat):
     return flat.view(ints).to(torch.int64) if flat.is_floating_point() else flat.to(torch.int64)
 
 
-def _shr(x, s: int):
-    """Logical right shift of an int64 tensor (torch's ``>>`` is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
 def partial_sum(flat, key: int, offset: int):
     """This piece's contribution: ``flat`` holds the logical elements ``offset ..`` of the tensor
     keyed ``key``. A 0-d int64 tensor on ``flat``'s device (nothing is read back here)."""
     import torch
 
+    from megatron_bitdet.fingerprint.tensor import _GOLDEN, _mix_
+
     idx = torch.arange(offset, offset + flat.numel(), dtype=torch.int64, device=flat.device)
-    h = idx * _signed(_K1) + _bits(flat.reshape(-1)) * _signed(_K2) + key
-    h = (h ^ _shr(h, 30)) * _signed(_K3)
-    h = (h ^ _shr(h, 27)) * _signed(_K4)
-    return (h ^ _shr(h, 31)).sum()
+    h = idx * _GOLDEN + _bits(flat.reshape(-1)) * _signed(_K2) + key
+    _mix_(h, torch.empty_like(h))
+    return h.sum()
 
 
 def encode(total: int) -> str:
