@@ -112,12 +112,14 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--shapes", default="default,large")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a recipe override for every side, after the shape's (e.g. determinism.threads=1)")
     p.add_argument("--decompose", action="store_true",
                    help="also run bitdet with each of its differences from upstream undone (where the gap comes from)")
     args = p.parse_args()
     cfg = TaxConfig(rounds=args.rounds, warmup=args.warmup, profile_steps=2)
     for shape in args.shapes.split(","):
-        recipe = with_measured_batches(load_recipe(args.recipe, SHAPES[shape]), cfg)
+        recipe = with_measured_batches(load_recipe(args.recipe, SHAPES[shape] + args.set), cfg)
         out = tempfile.mkdtemp(prefix=f"bench_tax_upstream_{shape}_")
         stats, threads, _ = run_sides(recipe, sides_for(recipe, args.decompose), nproc=args.nproc, config=cfg,
                                       out_dir=out)

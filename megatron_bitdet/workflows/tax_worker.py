@@ -217,26 +217,34 @@ def _timed_step(side: Side, comm: CommTimer, memory: PeakMemory, record: bool) -
         side.peak_mib.append(memory.peak_mib())
 
 
-def _profile(side: Side, steps: int) -> None:
-    """Self time per op group, averaged over ``steps`` profiled steps (not part of the timed rounds)."""
+def _profile(sides: list, steps: int) -> None:
+    """Self time per op group of each side, averaged over ``steps`` profiled steps (not part of the timed
+    rounds). One profiler session per step, sides alternated A B .., .. B A like the rounds: profiling
+    each side's steps back to back charged the first-profiled side up to 2x its op times."""
     from torch.profiler import ProfilerActivity, profile
 
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     from megatron_bitdet.train.reductions import active
 
-    _activate(side)
-    with active(side.recipe.determinism.reductions), profile(activities=activities) as prof:
-        for _ in range(steps):
-            _step(side)
-    groups: dict = {}
-    ops = {}
-    for evt in prof.key_averages():
-        ms = (evt.self_device_time_total if torch.cuda.is_available() else evt.self_cpu_time_total) / 1000 / steps
-        groups[op_group(evt.key)] = groups.get(op_group(evt.key), 0.0) + ms
-        ops[evt.key] = ms
-    side.op_groups_ms = {g: round(v, 3) for g, v in sorted(groups.items())}
-    side.top_ops_ms = {k: round(v, 3) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_OPS]}
-    side.op_calls = {evt.key: evt.count / steps for evt in prof.key_averages()}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    ms: dict = {s.name: {} for s in sides}
+    calls: dict = {s.name: {} for s in sides}
+    for k in range(steps):
+        for side in (sides if k % 2 == 0 else sides[::-1]):
+            _activate(side)
+            with active(side.recipe.determinism.reductions), profile(activities=activities) as prof:
+                _step(side)
+            for evt in prof.key_averages():
+                t = evt.self_device_time_total if torch.cuda.is_available() else evt.self_cpu_time_total
+                ms[side.name][evt.key] = ms[side.name].get(evt.key, 0.0) + t / 1000 / steps
+                calls[side.name][evt.key] = calls[side.name].get(evt.key, 0) + evt.count / steps
+    for side in sides:
+        ops = ms[side.name]
+        groups: dict = {}
+        for key, v in ops.items():
+            groups[op_group(key)] = groups.get(op_group(key), 0.0) + v
+        side.op_groups_ms = {g: round(v, 3) for g, v in sorted(groups.items())}
+        side.top_ops_ms = {k: round(v, 3) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])[:TOP_OPS]}
+        side.op_calls = calls[side.name]
 
 
 def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds: int, warmup: int,
@@ -274,8 +282,7 @@ def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds:
         for side in order:
             _timed_step(side, comm, memory, record=r >= warmup)
     phases["rounds"] = time.perf_counter()
-    for side in built:
-        _profile(side, profile_steps)
+    _profile(built, profile_steps)
     phases["profiled"] = time.perf_counter()
     mine = [{"name": s.name, "step_s": s.step_s, "comm_s": s.comm_s, "peak_mib": s.peak_mib,
              "det_flag_seen": sorted(s.det_flag_seen), "invariant_seen": sorted(s.invariant_seen), "op_groups_ms": s.op_groups_ms,
