@@ -148,13 +148,19 @@ def switch_load_balancing_loss_func(
     return fixed_order_aux_loss(probs, tokens_per_expert, scale)
 
 
+def gather_ranks(tensor: torch.Tensor, group=None) -> list:
+    """Every ``group`` member's ``tensor``, in group-rank order (an all_gather: exact movement)."""
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, tensor.contiguous(), group=group)
+    return parts
+
+
 def rank_ordered_sum(tensor: torch.Tensor, group=None) -> torch.Tensor:
     """Sum of ``tensor`` over ``group``, added in group-rank order after an all_gather, so every rank
     gets the same bits whatever collective algorithm, topology or group construction is used."""
     if not dist.is_initialized() or dist.get_world_size(group) == 1:
         return tensor.clone()
-    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, tensor.contiguous(), group=group)
+    parts = gather_ranks(tensor, group)
     total = parts[0]
     for part in parts[1:]:
         total += part

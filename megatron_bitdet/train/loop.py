@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
-from megatron_bitdet.kernels.moe_aux import tree_sum
+from megatron_bitdet.kernels.moe_aux import gather_ranks, rank_ordered_sum, tree_sum
 from megatron_bitdet.train.console import Console
 from megatron_bitdet.train.module_state import capture_module_rng, restore_module_rng
 from megatron_bitdet.train.step_fingerprints import StepDigests, ddp_buffers, moe_aux_losses, step_metrics
@@ -90,25 +90,16 @@ def _take_aux(recipe):
     return taken
 
 
-def _gather(tensor, group) -> torch.Tensor:
-    """Every group member's ``tensor`` stacked along dim 0 in group-rank order (exact movement)."""
-    parts = [torch.empty_like(tensor) for _ in range(torch.distributed.get_world_size(group))]
-    torch.distributed.all_gather(parts, tensor.contiguous(), group=group)
-    return torch.cat(parts)
-
-
 def _virtual_aux_average(entry: dict, hosted: list, virtual) -> torch.Tensor:
     """Megatron's PP sum and reduce-group sum, then the DP average as the pairwise tree over the virtual
     ranks' values (gathered, put in virtual-rank order) divided by V."""
     from megatron.core import parallel_state as ps
 
-    from megatron_bitdet.kernels.moe_aux import rank_ordered_sum
-
     values = rank_ordered_sum(torch.stack(hosted), ps.get_pipeline_model_parallel_group())
     if entry.get("reduce_group") is not None:
         values = rank_ordered_sum(values, entry["reduce_group"])
     group = ps.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
-    per_virtual = _gather(values, group)[virtual.gathered_order()]
+    per_virtual = torch.cat(gather_ranks(values, group))[virtual.gathered_order()]
     average = tree_sum(per_virtual) / per_virtual.shape[0]
     if entry.get("avg_group") is not None:
         average = rank_ordered_sum(average, entry["avg_group"]) / torch.distributed.get_world_size(entry["avg_group"])
@@ -146,7 +137,7 @@ def _lm_loss(losses_reduced, virtual=None):
         total = per_microbatch.sum(dim=0)
         torch.distributed.all_reduce(total, group=group)
     else:  # rows (rank, hosted in run order, micro-batch) -> (virtual rank, micro-batch)
-        gathered = _gather(per_microbatch, group).view(-1, len(losses_reduced) // virtual.hosted, 2)
+        gathered = torch.cat(gather_ranks(per_microbatch, group)).view(-1, len(losses_reduced) // virtual.hosted, 2)
         total = tree_sum(gathered[virtual.gathered_order()].view(-1, 2))
     return total[0] / total[1]
 
