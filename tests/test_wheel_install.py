@@ -70,9 +70,12 @@ def test_readme_install_block_and_guard_file_in_a_fresh_venv(tmp_path):
         src, venv, work = _source_copy(scratch / "src"), scratch / "venv", tmp_path / "work"
         work.mkdir()
         # pip installs without byte-compiling every file it unpacks (torch's thousands): the
-        # interpreter compiles what it imports, once, when it first imports it.
+        # interpreter compiles what it imports, once, when it first imports it -- so bytecode writing
+        # stays on here even where the machine turns it off (PYTHONDONTWRITEBYTECODE=1 made every
+        # process of this venv recompile torch and megatron-core from source: +15 s each).
         _run([sys.executable, "-m", "venv", venv], cwd=scratch, env={**os.environ, "PIP_NO_COMPILE": "1"})
-        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME")}
+        env = {k: v for k, v in os.environ.items()
+               if k not in ("PYTHONPATH", "VIRTUAL_ENV", "PYTHONHOME", "PYTHONDONTWRITEBYTECODE")}
         env.update(PATH=f"{venv / 'bin'}{os.pathsep}{env.get('PATH', '')}", VIRTUAL_ENV=str(venv), PIP_NO_COMPILE="1")
         python = venv / "bin" / "python"
 
