@@ -64,7 +64,7 @@ def paired(a, b) -> tuple[float, tuple[float, float]]:
     return statistics.median(ratios), median_interval(ratios)
 
 
-def _pct(ratio: float, interval: tuple[float, float]) -> str:
+def pct(ratio: float, interval: tuple[float, float]) -> str:
     return f"{(ratio - 1) * 100:+6.1f}% [{(interval[0] - 1) * 100:+.1f}%, {(interval[1] - 1) * 100:+.1f}%]"
 
 
@@ -80,13 +80,13 @@ def report(shape: str, stats) -> None:
     print(f"  {'side':<22} {'p10 ms':>8} {'p50 ms':>8} {'p90 ms':>8}   paired vs baseline [95% interval]")
     for s in (bitdet, upstream, base):
         print(f"  {s.name:<22} {s.p10_ms:8.1f} {s.median_ms:8.1f} {s.p90_ms:8.1f}   "
-              f"{_pct(*paired(s.step_ms, base.step_ms))}")
+              f"{pct(*paired(s.step_ms, base.step_ms))}")
     ratio, interval = paired(bitdet.step_ms, upstream.step_ms)
-    print(f"  bitdet vs upstream (paired): {_pct(ratio, interval)}  "
+    print(f"  bitdet vs upstream (paired): {pct(ratio, interval)}  "
           f"(goal <= +0.0%: {verdict(ratio, interval, GOAL, rounds)})")
     for s in probes:
-        print(f"  probe {s.name:<28} vs upstream {_pct(*paired(s.step_ms, upstream.step_ms))}   "
-              f"vs bitdet {_pct(*paired(s.step_ms, bitdet.step_ms))}")
+        print(f"  probe {s.name:<28} vs upstream {pct(*paired(s.step_ms, upstream.step_ms))}   "
+              f"vs bitdet {pct(*paired(s.step_ms, bitdet.step_ms))}")
     a, b = bitdet, upstream
     groups = sorted(set(a.op_groups_ms) | set(b.op_groups_ms),
                     key=lambda g: -abs(a.op_groups_ms.get(g, 0.0) - b.op_groups_ms.get(g, 0.0)))

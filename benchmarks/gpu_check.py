@@ -21,7 +21,9 @@ Rows:
   bytes (fingerprint.shards' device path where present, else fingerprint.tensor's pos64);
 - TE-spec model twins and TE FP8 twins: two independent ``bitdet train`` runs with ``model.spec=te``
   (the FP8 recipe for the second), compared bit for bit;
-- the default recipe (EP1, one rank): its determinism tax and its module / op tracing overhead.
+- the default recipe (EP1, one rank): its determinism tax and its module / op tracing overhead;
+- bitdet vs upstream: bitdet's recipe against upstream's deterministic mode at the large shape (EP1,
+  one rank, 60 paired rounds, the interval and bench_tax_vs_upstream's verdict).
 
 grouped_mm dtype (decided): the default recipe is fp32 and its grouped experts keep fp32 on CUDA. torch
 (>= 2.9, pytorch#162059) serves fp32 ``F.grouped_mm`` on CUDA with its per-group fallback: one cuBLAS
@@ -402,6 +404,30 @@ def tax_rows(env: Env):
               f"{tax.deterministic.median_ms:.2f}", f"{tax.deterministic.median_ms / tax.baseline.median_ms:.2f}x")
 
 
+def upstream_rows(env: Env):
+    """bitdet's recipe vs upstream's deterministic mode (bench_tax_vs_upstream's two sides) at the large
+    shape, EP1 on one rank: on a GPU upstream's NaN-fill is a device memset per allocation. The dry run
+    launches the same code at the default shape for 2 rounds."""
+    import tempfile
+
+    from benchmarks.bench_tax_vs_upstream import GOAL, paired, pct, sides_for
+    from benchmarks.intervals import verdict
+    from benchmarks.shapes import SHAPES
+    from megatron_bitdet.recipe import load_recipe
+    from megatron_bitdet.workflows.tax import TaxConfig, run_sides, with_measured_batches
+
+    shape, cfg = ("default", TaxConfig(rounds=2, warmup=1, profile_steps=1)) if env.dry else \
+        ("large", TaxConfig(rounds=60, warmup=3, profile_steps=1))
+    recipe = with_measured_batches(load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml",
+                                               [*SHAPES[shape], "parallel.expert=1"]), cfg)
+    with tempfile.TemporaryDirectory() as tmp:
+        (bitdet, upstream), _, _ = run_sides(recipe, sides_for(recipe)[:2], nproc=1, config=cfg, out_dir=tmp)
+    ratio, interval = paired(bitdet.step_ms, upstream.step_ms)
+    yield Row(f"bitdet vs upstream ({shape}, EP1)", f"{cfg.rounds} paired rounds",
+              f"{pct(ratio, interval).strip()} ({verdict(ratio, interval, GOAL, cfg.rounds)})",
+              f"{bitdet.median_ms:.2f}", f"{ratio:.3f}x")
+
+
 def tracing_rows(env: Env):
     from benchmarks.bench_trace_training import measure, paired_ratio
 
@@ -423,6 +449,7 @@ def checks(env: Env, table: Table) -> list:
             ("TE FP8 twins", lambda: twins_rows("TE FP8 twins", "nemotron_h_tiny_fp8",
                                                 ["model.moe.expert_impl=sequential"], table.left_s)),
             ("default recipe (EP1) tax", lambda: tax_rows(env)),
+            ("bitdet vs upstream", lambda: upstream_rows(env)),
             ("default recipe (EP1) tracing", lambda: tracing_rows(env))]
 
 

@@ -1,6 +1,6 @@
 """benchmarks/gpu_check.py: byte-compiles, and its CPU dry run with one planted failing row still prints
 the whole table (the real run needs a GPU machine; CI proves the script is runnable, its swapped kernels
-bitwise on CPU, its training launches, 2 rounds each, reach the table, and one broken row costs only
+bitwise on CPU, its training launches (tax, tracing, bitdet vs upstream), 2 rounds each, reach the table, and one broken row costs only
 that row)."""
 import py_compile
 import subprocess
@@ -10,7 +10,7 @@ from pathlib import Path
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 CHECKS = ("grouped-GEMM dprob", "MoE aux loss", "Mamba-2 SSD scan", "gated RMSNorm", "causal conv1d",
           "TE grouped GEMM", "grouped_mm fp32", "grouped_mm bf16", "FusedAdam resume", "device digest",
-          "TE-spec model twins", "TE FP8 twins", "default recipe (EP1)")
+          "TE-spec model twins", "TE FP8 twins", "default recipe (EP1)", "bitdet vs upstream")
 
 
 def test_gpu_check_dry_run_with_a_planted_failure_prints_the_whole_table(tmp_path):
@@ -35,6 +35,8 @@ def test_gpu_check_dry_run_with_a_planted_failure_prints_the_whole_table(tmp_pat
     for variant in ("tax", "module tracing", "op tracing", "untraced step"):
         assert sum(f"  {variant}  " in ln for ln in training) == 1, res.stdout
     assert all(ln.rstrip().endswith("x") for ln in training), res.stdout
+    (vs_upstream,) = [ln for ln in rows if ln.startswith("bitdet vs upstream (default, EP1)")]
+    assert "2 paired rounds" in vs_upstream and "no verdict: 2 rounds" in vs_upstream, res.stdout
     assert sum(ln.startswith("row: ") for ln in res.stderr.splitlines()) == len(rows)  # streamed as they came
 
 
