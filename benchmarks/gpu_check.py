@@ -387,10 +387,10 @@ def twins_rows(title: str, recipe: str, overrides: list, left_s):
               f"{report.digests} digests)", f"{(time.perf_counter() - t0) * 1000:.0f}")
 
 
-def _tiny_ep1():
+def _tiny_ep1(overrides=()):
     from megatron_bitdet.recipe import load_recipe
 
-    return load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml", ["parallel.expert=1"])
+    return load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml", ["parallel.expert=1", *overrides])
 
 
 def tax_rows(env: Env):
@@ -413,13 +413,11 @@ def upstream_rows(env: Env):
     from benchmarks.bench_tax_vs_upstream import GOAL, paired, pct, sides_for
     from benchmarks.intervals import verdict
     from benchmarks.shapes import SHAPES
-    from megatron_bitdet.recipe import load_recipe
     from megatron_bitdet.workflows.tax import TaxConfig, run_sides, with_measured_batches
 
     shape, cfg = ("default", TaxConfig(rounds=2, warmup=1, profile_steps=1)) if env.dry else \
         ("large", TaxConfig(rounds=60, warmup=3, profile_steps=1))
-    recipe = with_measured_batches(load_recipe(ROOT / "recipes" / "nemotron_h_tiny.yaml",
-                                               [*SHAPES[shape], "parallel.expert=1"]), cfg)
+    recipe = with_measured_batches(_tiny_ep1(SHAPES[shape]), cfg)
     with tempfile.TemporaryDirectory() as tmp:
         (bitdet, upstream), _, _ = run_sides(recipe, sides_for(recipe)[:2], nproc=1, config=cfg, out_dir=tmp)
     ratio, interval = paired(bitdet.step_ms, upstream.step_ms)

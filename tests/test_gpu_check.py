@@ -1,7 +1,7 @@
 """benchmarks/gpu_check.py: byte-compiles, and its CPU dry run with one planted failing row still prints
 the whole table (the real run needs a GPU machine; CI proves the script is runnable, its swapped kernels
-bitwise on CPU, its training launches (tax, tracing, bitdet vs upstream), 2 rounds each, reach the table, and one broken row costs only
-that row)."""
+bitwise on CPU, its training launches (tax, tracing, bitdet vs upstream), 2 rounds each, reach the
+table, and one broken row costs only that row)."""
 import py_compile
 import subprocess
 import sys
