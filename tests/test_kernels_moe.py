@@ -60,7 +60,10 @@ def test_tree_sum_follows_the_documented_order(n):
     x = torch.randn(n, generator=torch.Generator().manual_seed(n))
     assert tree_sum(x).item() == _tree_reference(x.tolist())
     cols = torch.randn(5, n, generator=torch.Generator().manual_seed(n + 1))
-    assert torch.equal(tree_sum(cols, dim=1), torch.stack([tree_sum(r) for r in cols]))
+    along_last = tree_sum(cols, dim=1)  # folds in place along the innermost dim
+    assert along_last.tolist() == [_tree_reference(r.tolist()) for r in cols]
+    assert torch.equal(along_last, tree_sum(cols.t().contiguous(), dim=0))  # the front-moved path
+    assert torch.equal(along_last, torch.stack([tree_sum(r) for r in cols]))
 
 
 def _router_inputs(tokens, experts=8, topk=2, seed=0):

@@ -37,7 +37,12 @@ def tree_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
     tail is added to the last pair; repeat. The order depends only on the length along ``dim``.
 
     One elementwise add per tree level, never one per pair; the levels after the first fold in
-    place into a workspace whose level views are made once per shape (see :func:`_levels`)."""
+    place into a workspace whose level views are made once per shape (see :func:`_levels`). Along
+    the innermost dim of a tensor with more than one, the levels fold in place along it instead:
+    moved to the front, every level would read with a stride of ``n`` (2.4x slower for the grouped
+    MLP's dprob tiles)."""
+    if x.dim() > 1 and dim in (-1, x.dim() - 1) and x.stride(-1) == 1:
+        return _tree_sum_innermost(x)
     x = x.movedim(dim, 0)
     n = x.shape[0]
     if n <= 1:
@@ -59,6 +64,18 @@ def tree_sum(x: torch.Tensor, dim: int = 0) -> torch.Tensor:
             last, odd = tail  # one-row slices: views (a numpy index would give a copy)
             last += odd
     return buf[0].clone()
+
+
+def _tree_sum_innermost(x: torch.Tensor) -> torch.Tensor:
+    """:func:`tree_sum` along the last dim: the same pairs in the same order, halving along it."""
+    n = x.shape[-1]
+    while n > 1:
+        h = n // 2
+        lo = x[..., :h] + x[..., h : 2 * h]
+        if n % 2:
+            lo[..., h - 1] += x[..., 2 * h]
+        x, n = lo, h
+    return x.sum(-1) if n == 0 else x[..., 0].clone()
 
 
 _WORKSPACES: dict = {}
