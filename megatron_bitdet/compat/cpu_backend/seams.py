@@ -39,13 +39,21 @@ def eager_jit_fuser() -> list[str]:
     kernels. Without CUDA those functions run eagerly (``TORCHDYNAMO_DISABLE=1``: ``torch.compile``
     returns the function unchanged). ``jit_fuser`` wraps at megatron-core's import, so this must run
     first: it does nothing once ``megatron.core`` is imported, on a GPU, or when the launcher set the
-    variable to another value (a launcher's value is never overwritten). Returns the seams filled
-    (``installed()`` lists it)."""
+    variable to another value (a launcher's value is never overwritten). ``torch.compile`` itself then
+    returns its argument as the disabled Dynamo would, without importing Dynamo on the way (~1 s of
+    every CPU rank's start). Returns the seams filled (``installed()`` lists it)."""
     if not _EAGER and "megatron.core" not in sys.modules and os.environ.get(DYNAMO_OFF, "1") == "1" \
             and not torch.cuda.is_available():
         os.environ[DYNAMO_OFF] = "1"
+        torch.compile = _compile_disabled
         _EAGER.append("eager_jit_fuser")
     return installed()
+
+
+def _compile_disabled(model=None, **_options):
+    """``torch.compile`` under ``TORCHDYNAMO_DISABLE=1``: the model or function unchanged (used as
+    ``@torch.compile(...)``, the decorator that leaves it unchanged)."""
+    return model if model is not None else (lambda fn: fn)
 
 
 def install(*, force: bool = False) -> list[str]:
