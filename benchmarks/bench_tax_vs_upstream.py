@@ -13,19 +13,22 @@ Sides (built side by side on every rank by the tax worker, steps alternated A B 
 * with ``--decompose``, bitdet with one of its differences from upstream undone at a time (megatron's
   own experts; megatron's aux-loss reduction; torch's NaN-fill on): where bitdet vs upstream comes from,
   each probe paired against both.
-Shapes: the default recipe (hidden 64, seq 64) and a larger one (hidden 256, seq 256). Prints p10/p50/
-p90 step times, paired ratios (median over rounds of side/baseline and bitdet/upstream) each with its
-95% bootstrap interval (``benchmarks.intervals``), the goal's verdict (bitdet vs upstream <= 0: "ok"
-only when the whole interval is at or below 0), and the per-op-group profile of bitdet vs upstream.
+Shapes: the default recipe (hidden 64, seq 64) and a larger one (hidden 256, seq 256). Layout: the
+recipe's (2 ranks, EP 2) by default; ``--nproc 1 --set parallel.expert=1`` measures one rank's compute
+without the ranks' waits for each other, which on a 2-core machine dominate the noise (docs/benchmarks.md).
+Prints p10/p50/p90 step times, paired ratios (median over rounds of side/baseline and bitdet/upstream) each
+with its 95% bootstrap interval (``benchmarks.intervals``), the goal's verdict (bitdet vs upstream <= 0:
+"ok" only when the whole interval is at or below 0) with the per-round log ratio's standard deviation, and
+the per-op-group profile of bitdet vs upstream.
 """
 from __future__ import annotations
 
 import argparse
+import math
+import statistics
 import sys
 import tempfile
 from pathlib import Path
-
-import statistics
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -82,8 +85,9 @@ def report(shape: str, stats) -> None:
         print(f"  {s.name:<22} {s.p10_ms:8.1f} {s.median_ms:8.1f} {s.p90_ms:8.1f}   "
               f"{pct(*paired(s.step_ms, base.step_ms))}")
     ratio, interval = paired(bitdet.step_ms, upstream.step_ms)
+    spread = statistics.stdev(math.log(r) for r in paired_ratios(bitdet.step_ms, upstream.step_ms)) if rounds > 1 else 0.0
     print(f"  bitdet vs upstream (paired): {pct(ratio, interval)}  "
-          f"(goal <= +0.0%: {verdict(ratio, interval, GOAL, rounds)})")
+          f"(goal <= +0.0%: {verdict(ratio, interval, GOAL, rounds)}; per-round log-ratio sd {spread:.3f})")
     for s in probes:
         print(f"  probe {s.name:<28} vs upstream {pct(*paired(s.step_ms, upstream.step_ms))}   "
               f"vs bitdet {pct(*paired(s.step_ms, bitdet.step_ms))}")
