@@ -101,3 +101,27 @@ def test_tracker_fork_advances_the_named_stream_and_restores_the_outer_one():
     outer = torch.rand(4)
     torch.manual_seed(7)
     assert outer.numpy().tobytes() == torch.rand(4).numpy().tobytes()
+
+
+def test_eager_jit_fuser_leaves_megatrons_fused_functions_unchanged_without_importing_dynamo():
+    """In a fresh interpreter (a rank's start): after eager_jit_fuser, megatron-core imports with its
+    ``jit_fuser`` functions as written and Dynamo never imported; a launcher's other value is kept."""
+    import os
+    import subprocess
+    import sys
+
+    probe = (
+        "import sys, torch\n"
+        "from megatron_bitdet.compat.cpu_backend import eager_jit_fuser\n"
+        "print(eager_jit_fuser())\n"
+        "import megatron.core\n"
+        "from megatron.core.fusions import fused_bias_gelu\n"
+        "fn = fused_bias_gelu.bias_gelu\n"
+        "print(type(fn).__name__, fn.__module__, 'torch._dynamo' in sys.modules)\n"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TORCHDYNAMO_DISABLE"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.split("\n")[:2] == ["['eager_jit_fuser']", "function megatron.core.fusions.fused_bias_gelu False"]
+    kept = subprocess.run([sys.executable, "-c", probe], env={**env, "TORCHDYNAMO_DISABLE": "0"},
+                          capture_output=True, text=True, check=True)
+    assert kept.stdout.split("\n")[0] == "[]"

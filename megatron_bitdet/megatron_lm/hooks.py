@@ -514,6 +514,10 @@ def install(session: Session) -> None:
     def validate_args(args, defaults={}):  # noqa: B006 - Megatron's signature
         on_validate(session, args, defaults)
         result = original_validate(args, defaults)
+        if not args.async_save:  # as validated: Megatron turns it off where it cannot run
+            from megatron_bitdet.compat.checkpoint import in_process_write_results
+
+            in_process_write_results()
         if args.rank == 0:  # after Megatron's own asserts: a manifest exists only for a line Megatron accepted
             from megatron_bitdet.enforce import write_manifest
 

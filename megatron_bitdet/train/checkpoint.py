@@ -28,7 +28,12 @@ import numpy as np
 import torch
 import xxhash
 
-from megatron_bitdet.compat.checkpoint import SHARDED_METADATA, load_optimizer_state, prepare_optimizer_for_load
+from megatron_bitdet.compat.checkpoint import (
+    SHARDED_METADATA,
+    in_process_write_results,
+    load_optimizer_state,
+    prepare_optimizer_for_load,
+)
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.rundir import LATEST, iter_dir
 from megatron_bitdet.train.precision import rebuild_compute_copy
@@ -178,6 +183,7 @@ def save_checkpoint(root, iteration: int, *, ddp_modules, optimizer, scheduler, 
         ddp_modules, optimizer, rank=rank, world=world, is_loading=False,
         extra={"rank_state": rank_state, "scheduler": scheduler.state_dict(), "iteration": iteration},
     )
+    in_process_write_results()  # bitdet's own loop saves synchronously
     dist_checkpointing.save(state, str(tmp))
     ranks = [None] * world
     dist.all_gather_object(ranks, rank_coordinates())
