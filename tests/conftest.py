@@ -17,6 +17,10 @@ from pathlib import Path
 
 import pytest
 
+from megatron_bitdet.compat.cpu_backend import eager_jit_fuser
+
+eager_jit_fuser()  # this process's megatron fused functions run eagerly, as every CPU rank's: no Inductor build here
+
 REPO = Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "nemotron_h_tiny.yaml"
 ITERATIONS = 4  # > warmup_iters (2)

@@ -494,6 +494,7 @@ def test_prove_on_a_megatron_lm_launch_line_holds_prints_the_verdicts_and_writes
     assert "Determinism tax" in html and "sequential launches, not interleaved" in html
 
 
+@pytest.mark.slow  # its parts run by default: the skipped-rng verify-resume above, the holds prove, test_prove's broken exit
 def test_prove_on_a_megatron_lm_launch_line_reports_a_skipped_restore_as_broken(tmp_path, capsys):
     capsys.readouterr()
     rc = bitdet(readme_command("bitdet prove", tmp_path, "--no-tax", "--skip-restore", "rng"))
