@@ -14,7 +14,8 @@ cpu_backend.install()
 
 
 def test_install_fills_every_seam_once():
-    assert cpu_backend.installed() == [s.__name__ for s in seams.SEAMS]
+    # tests/conftest.py made this process's jit_fuser eager before megatron-core's import, as a rank's start does
+    assert cpu_backend.installed() == ["eager_jit_fuser", *(s.__name__ for s in seams.SEAMS)]
     current_device = torch.cuda.current_device
     assert cpu_backend.install() == cpu_backend.installed()
     assert torch.cuda.current_device is current_device  # a second install re-ran nothing
@@ -24,6 +25,7 @@ def test_install_fills_every_seam_once():
 def test_install_does_nothing_when_cuda_is_present(monkeypatch):
     """The gate itself is the subject: CUDA is reported present, the process otherwise unpatched."""
     monkeypatch.setattr(seams, "_INSTALLED", [])
+    monkeypatch.setattr(seams, "_EAGER", [])
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     current_device = torch.cuda.current_device
     assert cpu_backend.install() == []
@@ -33,6 +35,7 @@ def test_install_does_nothing_when_cuda_is_present(monkeypatch):
 @pytest.mark.parametrize("found", ["0.17.0", "0.16.0"])
 def test_unsupported_megatron_core_is_refused(monkeypatch, found):
     monkeypatch.setattr(seams, "_INSTALLED", [])
+    monkeypatch.setattr(seams, "_EAGER", [])
     monkeypatch.setattr(seams, "version", lambda dist: found if dist == "megatron-core" else "?")
     with pytest.raises(BitdetError, match=rf"tested for megatron-core 0\.16\.1, found {found}"):
         cpu_backend.install()
