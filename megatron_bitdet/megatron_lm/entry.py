@@ -97,8 +97,9 @@ def run(script: str, rest: list[str], *, check: bool = False, world_size: int | 
         preflight: bool = False) -> int:
     """Everything in this process; returns the exit code (the script's SystemExit code included).
     ``world_size``: a ``--check``'s world (the launch's ``--nproc``), where the environment does not say it.
-    ``preflight``: judge the line as its ranks will, before they start (``hooks.preflight``)."""
-    from megatron_bitdet.megatron_lm import hooks
+    ``preflight``: judge the line as its ranks will, before they start (``judging.preflight``)."""
+    from megatron_bitdet.megatron_lm import loop_hooks
+    from megatron_bitdet.megatron_lm.judging import CheckDone
 
     opts = preparse(rest)
     base = load_base_recipe(opts)
@@ -114,13 +115,13 @@ def run(script: str, rest: list[str], *, check: bool = False, world_size: int | 
         from megatron_bitdet.compat.cpu_backend import training as training_seams
 
         training_seams.install()
-    session = hooks.Session(script=script, argv=[script, *rest], base=base, opts=opts, check=check,
-                            world_size=world_size, preflight=preflight)
-    hooks.install(session)
+    session = loop_hooks.Session(script=script, argv=[script, *rest], base=base, opts=opts, check=check,
+                                 world_size=world_size, preflight=preflight)
+    loop_hooks.install(session)
     sys.argv = [script, *rest]
     try:
         run_as_main(script)
-    except hooks.CheckDone as done:
+    except CheckDone as done:
         return done.code
     except SystemExit as exc:
         code = exc.code

@@ -1,5 +1,5 @@
 """A traced training step, the same in bitdet's loop (``train.loop``) and in Megatron-LM's
-(``megatron_lm.hooks``): the Tracer over the unwrapped model chunks (scopes are megatron's module
+(``megatron_lm.loop_hooks``): the Tracer over the unwrapped model chunks (scopes are megatron's module
 paths), phases forward / backward inside the forward-backward schedule, ``grad_reduce`` around
 megatron's ``finalize_model_grads``, ``optimizer`` around ``optimizer.step()``, and the loop's own
 bookkeeping (fingerprint hashing) kept out of the trace."""

@@ -220,9 +220,9 @@ def megatron_replay_worker(rank: int, world_size: int, *, script: str, argv: lis
     """One rank of a Megatron-LM run's replay: the entry point's rank with the change and the statistics as
     the Megatron-LM hooks' step hooks. No ``Verify``: Megatron-LM stops at ``--exit-interval`` (K), and the
     replayed steps are compared with the original's afterwards."""
-    from megatron_bitdet.megatron_lm import entry, hooks
+    from megatron_bitdet.megatron_lm import entry, loop_hooks
 
-    hooks.STEP_HOOKS.extend(_step_hooks(rank, replay, replay["run_dir"]))
+    loop_hooks.STEP_HOOKS.extend(_step_hooks(rank, replay, replay["run_dir"]))
     return entry.rank_worker(rank, world_size, script=script, argv=argv)
 
 

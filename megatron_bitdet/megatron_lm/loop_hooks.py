@@ -2,15 +2,13 @@
 
 - ``pretrain``: bitdet's arguments are chained into whatever ``extra_args_provider`` the script passes;
   under ``--check`` (and a launch's preflight, before any rank starts) the parsed launch line is judged
-  and nothing trains.
-- ``initialize.validate_args``: before Megatron's one-at-a-time asserts, a copy of the parsed args that
-  Megatron's own ``validate_args`` has validated (``validate``: its derived defaults) becomes the run's
-  recipe and is judged (every violation at once, opt-outs honoured) on what ``--spec`` will build (the
-  audit walks the spec as data: its experts class, its attention, what its Mamba mixers call), together
-  with what this machine cannot run (``machine``); enforcement is enabled and the swaps are installed —
-  into the spec object itself where it holds what a swap replaces — before any process group or model
-  exists; the manifest is written once Megatron's own ``validate_args`` accepted the real args. Before the
-  first step the built chunks are audited again (``rules.built`` in the manifest).
+  (``judging``) and nothing trains.
+- ``initialize.validate_args``: before Megatron's one-at-a-time asserts, the line is judged as ``--check``
+  judges it (``judging.judge_line``: a validated copy of the args becomes the run's recipe); enforcement is
+  enabled and the swaps are installed — into the spec object itself where it holds what a swap replaces —
+  before any process group or model exists; the manifest is written once Megatron's own ``validate_args``
+  accepted the real args. Before the first step the built chunks are audited again (``rules.built`` in the
+  manifest).
 - ``build_train_valid_test_data_iterators``: creating the DataLoader iterator draws a seed from the CPU
   generator, which on CPU is also the generator dropout draws from; it draws on a saved-and-restored
   state here, so a resumed run's dropout stream equals the uninterrupted run's.
@@ -28,22 +26,14 @@
 """
 from __future__ import annotations
 
-import argparse
 import functools
-import os
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from megatron_bitdet.errors import BitdetInputError, DeterminismViolation
-
-class CheckDone(Exception):
-    """``--check`` finished judging the launch line: unwind out of the script with this exit code."""
-
-    def __init__(self, code: int):
-        super().__init__(code)
-        self.code = code
-
+from megatron_bitdet.megatron_lm.judging import (CheckDone, chain, check_launch, judge_line, launch_manifest, preflight,
+                                                 swap_spec)
 
 @dataclass
 class Session:
@@ -109,187 +99,6 @@ class Session:
             self.tracer = None
 
 
-def _chain(user_provider):
-    """Megatron's ``extra_args_provider`` slot holds one function: the script's, then bitdet's."""
-    from megatron_bitdet.megatron_lm.options import add_entry_args
-
-    def provider(parser):
-        if user_provider is not None:
-            parser = user_provider(parser) or parser
-        return add_entry_args(parser)
-
-    return provider
-
-
-def derive_recipe(session, args, audited=None):
-    from megatron_bitdet.megatron_lm.args import recipe_from_args
-
-    data = "mock" if getattr(args, "mock_data", False) else " ".join(map(str, getattr(args, "data_path", None) or [])) or None
-    return recipe_from_args(args, session.base, script=os.path.basename(session.script), data=data,
-                            deterministic=bool(args.deterministic_mode or session.check), audited=audited)
-
-
-def launch_spec(args):
-    """The object ``--spec MODULE NAME`` names (what Megatron's builder will build from), or None.
-    Imported as megatron-core's ``spec_utils.import_module`` does, but its failure is exit 2 naming the module
-    and the error: Megatron's logs an ImportError and returns None, read later as "no --spec"."""
-    spec = getattr(args, "spec", None)
-    if not spec:
-        return None
-    import importlib
-
-    if len(spec) != 2:
-        raise BitdetInputError(f"--spec {' '.join(spec)}: takes MODULE NAME (two values)")
-    module, name = spec
-    try:
-        found = vars(importlib.import_module(module))
-    except Exception as exc:  # any import failure of the user's module is bad input
-        raise BitdetInputError(f"--spec {module} {name}: the spec module {module} could not be imported: "
-                               f"{type(exc).__name__}: {exc}") from None
-    if name not in found:
-        raise BitdetInputError(f"--spec {module} {name}: the spec module {module} has no {name}")
-    return found[name]
-
-
-def judge(session, args):
-    """The parsed args as a recipe, judged on what ``--spec`` will build (the audit), not only the flags:
-    (recipe, settings, outcome, violations, warnings). A rule Megatron-LM itself asserts in deterministic
-    mode cannot be opted out of."""
-    from megatron_bitdet.enforce import Violation, plan
-    from megatron_bitdet.enforce.audit import audit_spec, by_rule, recipe_keys
-    from megatron_bitdet.enforce.megatron import MEGATRON_LM_ASSERTS
-    from megatron_bitdet.enforce.rules import RULES_BY_ID
-    from megatron_bitdet.megatron_lm.fixes import in_flags
-
-    spec = launch_spec(args)
-    recipe = derive_recipe(session, args, recipe_keys(spec) if spec is not None else None)
-    if not args.deterministic_mode and not session.check:
-        return recipe, None
-    # deterministic mode routes Mamba mixers to the split path (megatron_overrides)
-    settings, outcome, violations, warnings = plan(
-        recipe, late=not (session.check or session.preflight), runs=by_rule(audit_spec(spec, mem_eff_path=False)) if spec is not None else None)
-    violations += [Violation(o["id"], f"{o['message']}, opted out at {o['where']}; but Megatron-LM's validate_args "
-                                      f"asserts it off in deterministic mode ({MEGATRON_LM_ASSERTS[o['id']]!r})",
-                             RULES_BY_ID[o["id"]].why, RULES_BY_ID[o["id"]].fix)
-                   for o in outcome.opt_outs if o["id"] in MEGATRON_LM_ASSERTS]
-    violations = in_flags(violations, args, recipe_given=session.base is not None)
-    return recipe, (settings, outcome, violations, warnings)
-
-
-def swap_spec(recipe, args, outcome, *, in_place: bool, config) -> None:
-    """A swap replaces what was built: where the rules resolved te_grouped_gemm by a swap, or the recipe
-    asks for ``expert_impl: grouped``, the experts ``--spec`` holds (it was built at its import, before
-    any patch) become GroupedProbMLP — in the object Megatron builds from, or, for --check, in a copy;
-    the outcome then records, per rule, what will run (``config``: the flags the model config will get)."""
-    from megatron_bitdet.enforce.audit import audit_spec, flag_calls, runs_record
-    from megatron_bitdet.megatron_lm.specs import swap_grouped_experts
-
-    spec, findings = launch_spec(args), flag_calls(config)
-    if spec is not None:
-        if any(s["id"] == "te_grouped_gemm" for s in outcome.swaps) or recipe.model.moe.expert_impl == "grouped":
-            spec, _ = swap_grouped_experts(spec, copy=not in_place,
-                                           sequential=recipe.model.moe.expert_impl == "grouped")
-        findings = audit_spec(spec, mem_eff_path=False) + findings
-    outcome.runs = runs_record(findings)
-
-
-def _print_judgement(recipe, outcome, violations) -> None:
-    out = sys.stdout
-    for o in outcome.opt_outs:
-        print(f"opted out [{o['id']}] {o['message']} (accepted at {o['where']}: {o['why']})", file=out)
-    for s in outcome.swaps:
-        print(f"swapped [{s['id']}] {s['message']} -> deterministic variant '{s['swap']}'", file=out)
-    for rule, found in outcome.runs.items():
-        print(f"runs [{rule}] " + "; ".join(f"{f['position']}: {f['runs']}" for f in found), file=out)
-    if violations:
-        print(str(DeterminismViolation(violations)), file=out)
-    else:
-        print(f"OK {recipe.name}: {len(outcome.applied)} rules clear, {len(outcome.opt_outs)} opted out, "
-              f"{len(outcome.swaps)} swapped", file=out)
-
-
-def machine_rows(session, recipe, config):
-    """What this machine cannot run of the line (``machine.missing``), on the flags as the model config gets them."""
-    from megatron_bitdet.megatron_lm.machine import missing
-
-    return missing(config, launch_spec(config), os.path.basename(session.script), recipe.model.hybrid_pattern)
-
-
-def parsed(extra_args_provider):
-    """The launch line parsed by the script's parser (bitdet's options chained in)."""
-    from megatron.training.arguments import parse_args
-
-    return parse_args(_chain(extra_args_provider), ignore_unknown_args=False)
-
-
-def judge_line(session, args, defaults=None):
-    """The parsed ``args`` validated as Megatron does (a copy) and judged: (validated args, recipe, judged,
-    config, rows); ``config``: the flags as on_validate leaves them for the model config; ``rows``: what
-    this machine cannot run of it."""
-    from megatron_bitdet.enforce import megatron_overrides
-    from megatron_bitdet.megatron_lm.validate import refuse_unsupported, validated
-
-    args = validated(args, _ORIGINALS["validate_args"], defaults, world_size=session.world_size)
-    refuse_unsupported(args, os.path.basename(session.script))
-    recipe, judged = judge(session, args)
-    overrides = megatron_overrides(recipe) if judged is not None and not judged[2] else {}
-    config = argparse.Namespace(**{**vars(args), **overrides})
-    return args, recipe, judged, config, machine_rows(session, recipe, config)
-
-
-def check_launch(session, extra_args_provider, defaults=None) -> int:
-    """``--check``: parse the launch line with the script's parser, validate it as Megatron does, judge it.
-    Exit 2 on any determinism violation; else 3 when only this machine cannot run it (its own section:
-    a production line judged on a laptop); 0 when clean and runnable here. The manifest is written
-    (``--run-dir``) whenever the rules pass."""
-    from megatron_bitdet.megatron_lm.machine import section
-
-    args, recipe, judged, config, rows = judge_line(session, parsed(extra_args_provider), defaults)
-    session.opts.run_dir = args.run_dir
-    _, outcome, violations, _ = judged
-    swap_spec(recipe, args, outcome, in_place=False, config=config)
-    _print_judgement(recipe, outcome, violations)
-    if rows:
-        print(section(rows), file=sys.stdout)
-    if not violations and args.run_dir:
-        from megatron_bitdet.enforce import Enforcement, write_manifest
-
-        session.recipe = recipe
-        import torch
-
-        enforcement = Enforcement(mode=True, env=judged[0], rules=outcome, threads=torch.get_num_threads(),
-                                  warnings=judged[3])
-        write_manifest(session.run_dir, _manifest(session, enforcement, args, check=True))
-    return 2 if violations else 3 if rows else 0
-
-
-def preflight(session, extra_args_provider, defaults=None) -> int:
-    """Before any rank starts: the line as its ranks will judge it (the determinism violations with
-    ``--deterministic-mode``, and what this machine cannot run), every problem at once in one
-    BitdetInputError (exit 2); nothing is written. 0: the ranks may start."""
-    from megatron_bitdet.megatron_lm.machine import section
-
-    _, _, judged, _, rows = judge_line(session, parsed(extra_args_provider), defaults)
-    violations = judged[2] if judged is not None else []
-    problems = ([str(DeterminismViolation(violations))] if violations else []) + ([section(rows)] if rows else [])
-    if problems:
-        raise BitdetInputError("no rank started:\n" + "\n".join(problems))
-    return 0
-
-
-def _manifest(session, enforcement, args, *, check: bool = False) -> dict:
-    from megatron_bitdet.compat import cpu_backend
-    from megatron_bitdet.compat.cpu_backend import training as training_seams
-    from megatron_bitdet.enforce import build_manifest
-
-    return build_manifest(
-        session.recipe, enforcement, world_size=args.world_size, argv=session.argv,
-        extra={"patches": session.patches, "cpu_backend_seams": cpu_backend.installed() + training_seams.installed(),
-               "megatron_lm": {"script": session.script, "check": check, "spec_family": session.recipe.model.spec},
-               "trace": None if session.trace is None else session.trace.to_json()},
-    )
-
-
 def on_validate(session, args, defaults=None) -> None:
     """Judge and enforce on a copy of the args as Megatron validates them, install the swaps, make the
     manifest (written once Megatron's own validate_args accepted the real args)."""
@@ -298,7 +107,7 @@ def on_validate(session, args, defaults=None) -> None:
     from megatron_bitdet.megatron_lm.machine import section
 
     session.rank = args.rank
-    _, recipe, judged, _, rows = judge_line(session, args, defaults)
+    _, recipe, judged, _, rows = judge_line(session, args, _ORIGINALS["validate_args"], defaults)
     session.recipe = recipe
     if judged is not None and judged[2]:
         raise DeterminismViolation(judged[2])
@@ -323,7 +132,7 @@ def on_validate(session, args, defaults=None) -> None:
         session.patches = [*session.patches, reductions.install("topology_invariant")]
     if judged is not None:
         swap_spec(recipe, args, enforcement.rules, in_place=True, config=args)
-    session.manifest = _manifest(session, enforcement, args)
+    session.manifest = launch_manifest(session, enforcement, args)
 
 
 def audit_built(session, model) -> None:
@@ -503,10 +312,12 @@ def install(session: Session) -> None:
     @functools.wraps(original_pretrain)
     def pretrain(*a, extra_args_provider=None, **kw):
         if session.preflight:
-            raise CheckDone(preflight(session, extra_args_provider, kw.get("args_defaults")))
+            raise CheckDone(preflight(session, extra_args_provider, _ORIGINALS["validate_args"],
+                                       kw.get("args_defaults")))
         if session.check:
-            raise CheckDone(check_launch(session, extra_args_provider, kw.get("args_defaults")))
-        return original_pretrain(*a, extra_args_provider=_chain(extra_args_provider), **kw)
+            raise CheckDone(check_launch(session, extra_args_provider, _ORIGINALS["validate_args"],
+                                          kw.get("args_defaults")))
+        return original_pretrain(*a, extra_args_provider=chain(extra_args_provider), **kw)
 
     original_validate = _ORIGINALS["validate_args"]
 
