@@ -1,15 +1,24 @@
 """Test-only: record every host transfer and host sync a training rank makes, with who made it and
 whether a training step was in flight (importable via PYTHONPATH=tests).
 
-Two observers, neither changing what runs: a ``TorchFunctionMode`` sees the tensor methods that read
-a tensor's bytes on the host (``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``__array__``,
-``.to(<cpu>)``) and a ``TorchDispatchMode`` sees ``_local_scalar_dense`` (every scalar read:
-``.item()``, ``bool(t)``, ``int(t)``) and device-to-host copies. Each event is written at once to
-``$BITDET_RECORD_DIR/rank_XXXXX.jsonl`` with the innermost caller outside torch, the step frame it
-ran under, if any (megatron's ``train_step`` (Megatron-LM), bitdet's loop ``train_step``, or the
-per-step digests' launches ``StepDigests.grads`` / ``.state``), and the storage it read.
-``state_storages`` writes which storages hold the training state (params, grads, main params,
-module buffers), so a host read of state can be told from one of a workspace."""
+Two observers, neither changing what runs. On this CPU-only torch every tensor is on the host, so a
+read that would copy device memory to the host on a GPU is recorded by what it is, not by where its
+bytes go: a ``TorchFunctionMode`` sees the tensor methods that hand a tensor's bytes to Python
+(``.item()``, ``.tolist()``, ``.numpy()``, ``.cpu()``, ``__array__``, ``.to(<cpu>)``: on CPU tensors
+``.tolist()`` and ``.cpu()`` reach no aten op at all, so only this mode sees them), and a
+``TorchDispatchMode`` sees the aten ops that block the host on a device: ``_local_scalar_dense``
+(``.item()``, ``bool(t)``, ``int(t)``), ops whose output size depends on the data (``nonzero``,
+``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``, indexing or
+assignment through a boolean mask), ``equal`` / ``allclose`` (a Python bool), and device-to-host
+copies. ``torch.cuda.synchronize`` and stream / event waits are not seen: on this CPU-only torch an
+unguarded call raises (not compiled with CUDA) and fails the run.
+
+Each event is written at once to ``$BITDET_RECORD_DIR/rank_XXXXX.jsonl`` with the innermost caller
+outside torch (``bitdet``: that caller is bitdet's code), the step frame it ran under, if any
+(megatron's ``train_step`` (Megatron-LM), bitdet's loop ``train_step``, or the per-step digests'
+launches ``StepDigests.grads`` / ``.state``), and the storage it read. ``state_storages`` writes
+which storages hold the training state (params, grads, main params, module buffers), which a report
+of a read names."""
 from __future__ import annotations
 
 import json
@@ -27,6 +36,14 @@ STEP_FRAMES = {("megatron/training/training.py", "train_step"), ("megatron_bitde
                ("megatron_bitdet/train/step_fingerprints.py", "grads"),
                ("megatron_bitdet/train/step_fingerprints.py", "state")}
 _HOST_METHODS = {"item", "tolist", "numpy", "cpu", "__array__"}
+# aten ops that make the host wait for a device: a scalar read, an output sized by the data, a bool result
+_BLOCKING = {"_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+             "unique_consecutive", "equal", "allclose", "bincount", "histc"}
+
+
+def _masked(indices) -> bool:
+    """Indexing through a boolean mask (its nonzero elements: a data-sized result)."""
+    return any(isinstance(i, torch.Tensor) and i.dtype in (torch.bool, torch.uint8) for i in indices or ())
 
 
 def _is_cpu(device) -> bool:
@@ -83,8 +100,10 @@ class _Dispatch(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         name = func.overloadpacket.__name__
-        if name == "_local_scalar_dense":
-            self.recorder.event("aten._local_scalar_dense")
+        if name in _BLOCKING or (name in ("index", "index_put_", "index_put") and _masked(args[1])) or (
+                name == "repeat_interleave" and func is not torch.ops.aten.repeat_interleave.self_int
+                and kwargs.get("output_size") is None):  # repeats in a tensor: their sum sizes the output
+            self.recorder.event(f"aten.{name}", args[0] if isinstance(args[0], torch.Tensor) else None)
         elif name == "_to_copy" and _is_cpu(kwargs.get("device")) and args[0].device.type != "cpu":
             self.recorder.event("aten._to_copy(device->host)", args[0])
         elif name == "copy_" and args[0].device.type == "cpu" and args[1].device.type != "cpu":

@@ -1,5 +1,5 @@
-"""The per-step digests on real gloo ranks of the tiny hybrid: no host copy and no scalar read from
-bitdet's code inside a step (bitdet's loop and Megatron-LM's launch, the device path on CPU tensors),
+"""The per-step digests on real gloo ranks of the tiny hybrid: no host read and no host-blocking op
+(scalar read, data-sized output) from bitdet's code inside a step (bitdet's loop and Megatron-LM's launch, the device path on CPU tensors),
 bytes per rank halving from DP 1 to 2 to 4, every buffer kind's flipped bit seen, and a planted bit
 flip in one replica named by ``bitdet check``."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ from megatron_bitdet.cli import main as bitdet
 TESTS = Path(__file__).resolve().parent
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
-SCALAR_READS = {"aten._local_scalar_dense", "Tensor.item"}
+CPU_ONLY = {"Tensor.numpy", "Tensor.__array__"}
 
 
 @pytest.fixture
@@ -40,12 +40,16 @@ def lines(run_dir: Path, rank: int) -> list[dict]:
 
 
 def assert_no_host_sync_from_bitdet_in_a_step(record_dir: Path, steps: int) -> None:
+    """No host read or host-blocking op from bitdet's code inside a step, of any tensor: training state
+    or not (a read of the digests' own results blocks the step on a GPU as much as one of the params).
+    A numpy view (``.numpy()``, ``__array__``) of a tensor that is not training state is a CPU-only
+    path (``kernels.moe_aux``'s tree levels): it raises on a device tensor, so it never transfers."""
     events = host_sync_recorder.read(record_dir)
     in_step = [e for e in events if e["in_step"]]
     # the recorder sees the step: megatron's own scalar reads in it (the grad norm, the loss report)
     assert any(not e["bitdet"] for e in in_step), "the recorder saw no step"
-    bad = [e for e in in_step if e["bitdet"] and (e["state"] or e["op"] in SCALAR_READS)]
-    assert not bad, f"{len(bad)} host transfers / scalar reads from bitdet's code inside a step, first: {bad[:3]}"
+    bad = [e for e in in_step if e["bitdet"] and (e["op"] not in CPU_ONLY or e["state"])]
+    assert not bad, f"{len(bad)} host transfers / host syncs from bitdet's code inside a step, first: {bad[:3]}"
     # and after it: the digests read back once a step per rank, at the log point
     reads = [e for e in events if e["bitdet"] and "/fingerprint/shards.py:" in e["caller"] and e["op"] == "Tensor.tolist"]
     assert len(reads) >= steps
