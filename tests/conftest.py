@@ -114,11 +114,27 @@ def pytest_runtest_makereport(item, call):
         report.user_properties.append((REQUIRE_MEGATRON_LM, "skip refused"))
 
 
+MACHINE_OUTCOME = "machine_outcome"
+
+
+@pytest.fixture
+def machine_outcome(request):
+    """For a test that accepts either of two outcomes the hardware decides (do 1 and 2 threads give the same
+    bits?): records which one this machine gave, listed after the run (and in junit XML's properties)."""
+    return lambda text: request.node.user_properties.append((MACHINE_OUTCOME, text))
+
+
 @pytest.hookimpl(wrapper=True, tryfirst=True)  # outermost: its line comes after the short test summary
 def pytest_terminal_summary(terminalreporter, config):
-    """The line after the skip reasons, before pytest's tally: how much of Megatron-LM's own training
-    path this run covered."""
+    """The lines after the skip reasons, before pytest's tally: the outcomes this machine chose (see
+    machine_outcome), and how much of Megatron-LM's own training path this run covered."""
     yield
+    for reports in terminalreporter.stats.values():
+        for r in reports:
+            if isinstance(r, pytest.TestReport) and r.when == "call":
+                for key, text in r.user_properties:
+                    if key == MACHINE_OUTCOME:
+                        terminalreporter.write_line(f"this machine: {r.nodeid}: {text}")
     ran, failed, skipped, refused = set(), set(), set(), set()
     for reports in terminalreporter.stats.values():
         for r in reports:

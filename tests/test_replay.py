@@ -1,8 +1,9 @@
 """bitdet replay on real 2-rank training. One run of examples/planted_spike.py (expert 1 of layer 2 scaled
 at step 5, the output layer's weights scaled at step 7; checkpoints every 2 steps) is replayed from its
-checkpoint at 4 to 7 and verified bit for bit; another thread count stops the replay at the first replayed
-step naming the scope difference; the ranking puts the planted module first and the counterfactual that
-removes it brings the loss back within the previous steps' range; bad input exits 2 before any launch."""
+checkpoint at 4 to 7 and verified bit for bit; another thread count is named as a scope difference, at the
+first differing step or beside bits that match (which of the two is the CPU's); the ranking puts the planted
+module first and the counterfactual that removes it brings the loss back within the previous steps' range;
+bad input exits 2 before any launch."""
 import json
 import os
 import re
@@ -88,16 +89,32 @@ def test_replay_reproduces_the_steps_bitwise_and_ranks_the_planted_module_first(
 
 
 @pytest.mark.timeout(600)
-def test_replay_with_another_thread_count_stops_at_the_first_differing_step_naming_the_scope(spike_run, capsys):
-    rc, text = replay_cli(capsys, spike_run, "determinism.threads=1", "--step", K,
-                          "--out", spike_run.parent / "threads1")
-    r = result(spike_run.parent / "threads1")
-    assert rc == 1, text
-    assert r["verdict"] == "diverged" and r["first_difference"]["step"] == 5 and r["verified"] == []
-    assert "DIFFERS at step 5" in text and "torch_threads: original 2, replay 1" in text
-    assert r["cause"].startswith("scope difference")
-    assert sorted(lines(spike_run.parent / "threads1", 0)) == [5]  # every rank stopped at the first difference
-    assert sorted(lines(spike_run.parent / "threads1", 1)) == [5]
+def test_replay_under_another_thread_count_names_the_scope_whether_or_not_the_bits_change(spike_run, capsys,
+                                                                                         machine_outcome):
+    """Whether 1 and 2 threads give different bits is a fact about the CPU (they did on AMD EPYC, not on an
+    Intel Xeon): the truth is read from the fingerprint bytes, and the replay must report that outcome with
+    the scope named: diverged at the first differing step (cause: the scope), or reproduced with a note."""
+    out = spike_run.parent / "threads1"
+    rc, text = replay_cli(capsys, spike_run, "determinism.threads=1", "--step", K, "--out", out)
+    r = result(out)
+    orig, rep = [lines(spike_run, rank) for rank in (0, 1)], [lines(out, rank) for rank in (0, 1)]
+    differing = [s for s in (5, 6, 7) if any(s in p and p[s] != o[s] for o, p in zip(orig, rep))]
+    machine_outcome("1 vs 2 threads: " + (f"bits differ from step {differing[0]}" if differing
+                                          else "bits identical over steps 5-7"))
+    if differing:
+        first = differing[0]
+        assert rc == 1, text
+        assert r["verdict"] == "diverged" and r["first_difference"]["step"] == first
+        assert r["verified"] == list(range(5, first)) and r["cause"].startswith("scope difference")
+        assert f"DIFFERS at step {first}" in text and "torch_threads: original 2, replay 1" in text
+        assert all(sorted(p) == list(range(5, first + 1)) for p in rep)  # every rank stopped at the first difference
+    else:
+        assert rc == 0, text
+        assert r["verdict"] == "reproduced" and r["verified"] == [5, 6, 7]
+        assert all(sorted(p) == [5, 6, 7] for p in rep)  # the whole window ran and matched byte for byte
+        assert "steps 5-7 bitwise equal to the original" in text
+        assert "note: scope differs in torch_threads (original 2, replay 1) yet the bits match" in text
+    assert {"key": "torch_threads", "a": 2, "b": 1} in r["scope_differences"]
 
 
 @pytest.mark.timeout(900)
