@@ -1,5 +1,5 @@
 """Test-only rank entries around ``bitdet train``'s worker for the per-step digests (importable via
-PYTHONPATH=tests): recorded host syncs, a planted bit flip in one replica, every buffer kind flipped."""
+PYTHONPATH=tests): recorded host syncs, planted bit flips in replicas, every buffer kind flipped."""
 from __future__ import annotations
 
 import json
@@ -41,31 +41,53 @@ def _locate(region, row: int) -> tuple[torch.Tensor, int]:
     return region.tensors[i], (row - layout.first_row[i]) * ROW_BYTES
 
 
-class PlantFlip(StepHook):
-    """At the start of ``step``, on ``rank``: one bit of this replica's params flipped, in the chunk of
-    another replica's slice that this rank checks at that step (a persistent fault without the
-    distributed optimizer, whose all-gather would overwrite it). Where: ``out`` (JSON)."""
+class PlantReplicaFlips(StepHook):
+    """At the start of ``step``: for each ``(kind, rank, q)`` of ``flips``, one bit of ``rank``'s copy of
+    region ``kind`` (``params``, ``exp_avg``: its first DDP buffer) flipped, in the largest-magnitude
+    element of the region's check chunk ``q`` (slice ``q // K``, which ``rank`` must not own) -- a real
+    fault in one replica's bytes that replica does not own, persistent without the distributed
+    optimizer. ``out`` (JSON): the byte and step-to-be-seen of each."""
 
-    def __init__(self, rank: int, step: int, out: str):
-        self.rank, self.step, self.out = rank, step, out
+    def __init__(self, step: int, flips: list, out: str):
+        self.step, self.flips, self.out = step, flips, out
 
     def begin(self, step, state, batches):
-        if step == self.step and torch.distributed.get_rank() == self.rank:
-            from megatron_bitdet.train.step_fingerprints import ddp_regions
+        if step != self.step:
+            return batches
+        from megatron_bitdet.fingerprint.shards import CHECK_CHUNKS, ROW_BYTES, chunk_rows, slice_rows
+        from megatron_bitdet.train.step_fingerprints import ddp_regions, optimizer_regions
 
-            region = next(r for r in ddp_regions(state.ddp_modules) if r.kind == "params")
-            check = region.jobs(step)[1]
-            t, offset = _locate(region, check.lo)
-            byte = offset + 2  # a float32's third byte: mantissa bits, a change no update rounds away
-            _flip_bit(t, byte, 6)
-            first = region.layout.byte_of_row(check.lo)
-            Path(self.out).write_text(json.dumps({"rank": self.rank, "step": step, "buf": region.buf,
-                                                  "byte": first + 2}))
+        regions = ddp_regions(state.ddp_modules) + optimizer_regions(state.ddp_modules, state.optimizer)
+        planted = []
+        for kind, rank, q in self.flips:
+            region = next(r for r in regions if r.kind == kind)
+            g, layout = region.group, region.layout
+            owner = q // CHECK_CHUNKS
+            assert owner != rank and g.size * CHECK_CHUNKS > q, (kind, rank, q)
+            a, b = chunk_rows(*slice_rows(layout.rows, owner, g.size), CHECK_CHUNKS)[q % CHECK_CHUNKS]
+            best = None  # (|value|, tensor, element, region byte)
+            for t, first, first_byte in zip(region.tensors, layout.first_row, layout.first_byte):
+                n = t.numel()
+                lo = min(max(a - first, 0) * ROW_BYTES // t.element_size(), n)
+                hi = min(max(b - first, 0) * ROW_BYTES // t.element_size(), n)
+                if lo < hi:
+                    flat = t.detach().reshape(-1)
+                    i = lo + int(flat[lo:hi].abs().argmax())
+                    if best is None or flat[i].abs() > best[0]:
+                        best = (flat[i].abs(), t, i, first_byte + i * t.element_size())
+            _, t, i, byte = best
+            if torch.distributed.get_rank() == rank:
+                # a float32's third byte, bit 6: its top mantissa bit, a change no update rounds away
+                _flip_bit(t, i * t.element_size() + 2, 6)
+            planted.append({"kind": kind, "buf": region.buf, "rank": rank, "byte": byte + 2,
+                            "seen_at": step + (q - step) % (g.size * CHECK_CHUNKS)})
+        if torch.distributed.get_rank() == 0:
+            Path(self.out).write_text(json.dumps(planted))
         return batches
 
 
-def planted(rank: int, world_size: int, *, recipe: dict, options: dict, flip: dict) -> int:
-    return worker(rank, world_size, recipe=recipe, options=options, hooks=[PlantFlip(**flip)])
+def replica_flips(rank: int, world_size: int, *, recipe: dict, options: dict, plant: dict) -> int:
+    return worker(rank, world_size, recipe=recipe, options=options, hooks=[PlantReplicaFlips(**plant)])
 
 
 def flip_every_kind(rank: int, world_size: int, *, recipe: dict, options: dict, out: str) -> int:
@@ -77,7 +99,7 @@ def flip_every_kind(rank: int, world_size: int, *, recipe: dict, options: dict, 
 
     class Flipper(StepHook):
         def end(self, step, line):
-            digests = StepDigests(self.state.ddp_modules)
+            digests = StepDigests(self.state.ddp_modules, optimizer=self.state.optimizer)
 
             def line_digests():
                 digests.grads(step)
@@ -124,5 +146,5 @@ def flip_every_kind(rank: int, world_size: int, *, recipe: dict, options: dict, 
     return worker(rank, world_size, recipe=recipe, options=options, hooks=[Flipper()])
 
 
-for _entry in (recorded, planted, flip_every_kind):
+for _entry in (recorded, replica_flips, flip_every_kind):
     _entry.before_process_group = enforce

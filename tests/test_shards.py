@@ -200,5 +200,6 @@ def test_check_names_replicas_that_disagree_and_refuses_what_it_cannot_check(tmp
     assert "rank_00000.jsonl:1: fingerprint format v1" in capsys.readouterr().err
     assert bitdet(["check", str(write_run(tmp_path / "v2", edit=with_checks))]) == 1
     out = capsys.readouterr().out
-    assert "REPLICAS DISAGREE: 1 of 10 chunks" in out
-    assert "step 4: params 0.dense.0 bytes 0-32: rank 1 holds fedcba9876543210, rank 0 (the slice's owner)" in out
+    assert "REPLICAS DISAGREE: 1 disagreeing of 10 chunks" in out
+    assert ("step 4: params 0.dense.0 bytes 0-32: ranks 0, 1 disagree with no majority: every one a suspect "
+            "[rank 0 0123456789abcdef, rank 1 fedcba9876543210]") in out

@@ -28,9 +28,11 @@ algorithms are never compared.
 
 Sharding. A region replicated over a group of ``D`` ranks (``Group``) is cut into ``D`` slices of
 whole rows, rank ``i`` owning rows ``[i*R//D, (i+1)*R//D)``, digested as ``K = CHECK_CHUNKS`` chunks.
-At step ``s`` rank ``i`` also digests chunk ``s mod K`` of rank ``(i+1) mod D``'s slice: within
-``K`` steps every replicated byte has been digested by two replicas at the same step, and the reader
-(``analysis.replicas``) compares the two. A step's digest of the region is combined by the reader
+At step ``s`` every member also digests the region's check chunk ``q = s mod (D*K)``: chunk ``q mod K``
+of slice ``q // K`` (``train.step_fingerprints.Region.check_chunk``; its owner has it in its slice).
+All ``D`` replicas digest the same bytes at the same step, so the reader (``analysis.replicas``)
+compares ``D`` digests and a majority names a faulty replica; within ``D*K`` consecutive steps every
+replica's copy of every replicated byte has been compared. A step's digest of the region is combined by the reader
 from the members' chunks in group order (no collective in the step). An owned shard (megatron's
 distributed optimizer: grads after the reduce-scatter, main params) and small per-rank state are
 digested whole, by their one holder.
@@ -41,8 +43,9 @@ Bytes digested per rank per step (the cost model; +-2 rows of ``ROW_BYTES`` per 
     small state (module buffers, generators, FP8 scaling state): whole, on every rank
 With Megatron-LM's ``--bf16 --use-distributed-optimizer`` (bf16 params, fp32 grads, fp32 main params),
 P parameters: ``(2*(1 + 1/K) + 4 + 4) * P/(TP*PP*DP) = 10.5 * P/(TP*PP*DP)`` bytes at DP >= 2,
-``10 * P/(TP*PP)`` at DP = 1; without the distributed optimizer every one of the three is replicated:
-``10 * (1 + 1/K) * P/(TP*PP*DP)``.
+``10 * P/(TP*PP)`` at DP = 1 (the distributed optimizer's Adam moments, owned shards with no replica,
+are not digested); without the distributed optimizer the three and Adam's two fp32 moments are all
+replicated and digested: ``18 * (1 + 1/K) * P/(TP*PP*DP)``.
 """
 from __future__ import annotations
 

@@ -91,6 +91,8 @@ def read_rank_file(path: Path, rank: int, *, allow_truncated: bool = False, warn
         data = path.read_bytes()
     except OSError as exc:  # a directory where the file should be, unreadable
         raise BitdetInputError(f"{path}: unreadable fingerprint file ({exc.strerror or exc})") from None
+    if not data.strip():  # not a cut line: nothing was ever written
+        raise BitdetInputError(f"{path}: empty fingerprint file (no steps)")
     lines = data.split(b"\n")
     ends_whole = data.endswith(b"\n")
     if ends_whole:

@@ -137,11 +137,13 @@ def on_validate(session, args, defaults=None) -> None:
 
 def audit_built(session, model) -> None:
     """After the build, before the first step: the rules judge what the built chunks hold and call
-    (every violation at once); the manifest records it per rule (``rules.built``)."""
+    (every violation at once); the manifest records it per rule (``rules.built``), and what the layout
+    lets ``bitdet check`` cover (``replica_check``)."""
     import torch
 
     from megatron_bitdet.enforce import plan, write_manifest
     from megatron_bitdet.enforce.audit import by_rule, runs_record, walk_built
+    from megatron_bitdet.train.step_fingerprints import replica_coverage
 
     findings = walk_built(model)
     violations = plan(session.recipe, late=False, runs=by_rule(findings))[2]
@@ -149,6 +151,7 @@ def audit_built(session, model) -> None:
         raise DeterminismViolation(violations)
     session.built = runs_record(findings)
     session.manifest["rules"]["built"] = session.built
+    session.manifest["replica_check"] = replica_coverage(model)
     if torch.distributed.get_rank() == 0:
         write_manifest(session.run_dir, session.manifest)
 
@@ -164,7 +167,7 @@ def _wrap_optimizer_step(session, optimizer) -> None:
 
     original = optimizer.step
     model = session.model
-    session.digests = StepDigests(model)
+    session.digests = StepDigests(model, optimizer=optimizer)
 
     def step(*a, **kw):
         with untraced(session.traced):

@@ -237,7 +237,7 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
         writer = StepFingerprintWriter(run_dir, rank)
     model = state.ddp_modules
     chunks = [m.module for m in model]
-    digests = StepDigests(model, logical_digests=state.virtual is not None)
+    digests = StepDigests(model, optimizer=state.optimizer, logical_digests=state.virtual is not None)
     try:
         for step in range(start + 1, stop + 1):
             t0 = time.perf_counter()

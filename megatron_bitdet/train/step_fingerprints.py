@@ -52,9 +52,10 @@ def ddp_buffers(ddp_modules, attr: str) -> list:
 
 @dataclass
 class Region:
-    """A DDP buffer's tensors of one kind (``params``, ``grads``, ``main_params``) and its replicas.
-    ``sharded``: megatron's owned shard (distributed optimizer), held by this rank alone: digested
-    whole; otherwise the tensors are replicated over ``group`` and each member digests its slice."""
+    """A DDP buffer's tensors of one kind (``params``, ``grads``, ``main_params``, an optimizer state
+    such as ``exp_avg``) and its replicas. ``sharded``: megatron's owned shard (distributed optimizer,
+    or the params before an overlapped all-gather), held by this rank alone: digested whole;
+    otherwise the tensors are replicated over ``group`` and each member digests its slice."""
 
     kind: str
     buf: str
@@ -65,17 +66,29 @@ class Region:
     def __post_init__(self):
         self.layout = Layout.of(self.tensors)
 
+    def check_chunk(self, step: int) -> tuple[int, int, int]:
+        """(owner, first row, end row) of the chunk every replica digests at ``step``: chunk
+        ``step mod (D*K)`` of the region in slice order (slice ``q // K``'s chunk ``q mod K``), so
+        within ``D*K`` consecutive steps every replica's copy of every chunk is digested at the same
+        step as all the others' (``analysis.replicas`` takes the majority)."""
+        g = self.group
+        q = step % (g.size * CHECK_CHUNKS)
+        owner = q // CHECK_CHUNKS
+        a, b = chunk_rows(*slice_rows(self.layout.rows, owner, g.size), CHECK_CHUNKS)[q % CHECK_CHUNKS]
+        return owner, a, b
+
     def jobs(self, step: int) -> list[Job]:
-        """This step's own slice (``CHECK_CHUNKS`` chunks with replicas) and the replica check: chunk
-        ``step mod K`` of the next member's slice."""
+        """This step's own slice (``CHECK_CHUNKS`` chunks with replicas) and, unless this rank owns
+        it, the step's check chunk (``check_chunk``)."""
         rows, g = self.layout.rows, self.group
         if self.sharded or g.size == 1:
             return [Job(self.tensors, self.layout, 0, rows, [(0, rows)], (self, None))]
         lo, hi = slice_rows(rows, g.index, g.size)
-        owner = (g.index + 1) % g.size
-        a, b = chunk_rows(*slice_rows(rows, owner, g.size), CHECK_CHUNKS)[step % CHECK_CHUNKS]
-        return [Job(self.tensors, self.layout, lo, hi, chunk_rows(lo, hi, CHECK_CHUNKS), (self, None)),
-                Job(self.tensors, self.layout, a, b, [(a, b)], (self, owner))]
+        own = Job(self.tensors, self.layout, lo, hi, chunk_rows(lo, hi, CHECK_CHUNKS), (self, None))
+        owner, a, b = self.check_chunk(step)
+        if owner == g.index:
+            return [own]
+        return [own, Job(self.tensors, self.layout, a, b, [(a, b)], (self, owner))]
 
     def record(self, owner, parts) -> dict:
         rec = {"kind": self.kind, "buf": self.buf, "group": self.group.key, "index": self.group.index,
@@ -110,27 +123,91 @@ def ddp_regions(ddp_modules) -> list[Region]:
     this rank owns after the reduce-scatter, per bucket as megatron cuts it), and the fp32 main params
     of 16-bit params."""
     regions = []
+    for name, b, group in _buffers(ddp_modules):
+        distopt = b.ddp_config.use_distributed_optimizer
+        params = _buffer_params(b)
+        if distopt and b.ddp_config.overlap_param_gather:
+            # the all-gather runs in the next forward: after the step only the owned shard is new
+            regions.append(Region("params", name, _owned(b, "param_data", group), group, True))
+        else:
+            regions.append(Region("params", name, [b.param_data] if b.param_data is not None
+                                  else [p.detach() for p in params], group, False))
+        if distopt:
+            regions.append(Region("grads", name, _owned(b, "grad_data", group), group, True))
+        else:
+            regions.append(Region("grads", name, [b.grad_data], group, False))
+        mains = [p.main_param for p in params if getattr(p, "main_param", None) is not None]
+        if mains:
+            sharded = any(getattr(p, "main_param_sharded", False) for p in params)
+            regions.append(Region("main_params", name, mains, group, sharded))
+    return regions
+
+
+def _buffers(ddp_modules):
+    """(name, buffer, group) of every DDP buffer, in the regions' order (chunk, dense then expert)."""
     for ci, m in enumerate(ddp_modules):
         for family, buffers in (("dense", m.buffers), ("expert", m.expert_parallel_buffers)):
             for bi, b in enumerate(buffers):
-                name, group = f"{ci}.{family}.{bi}", Group.of(b.data_parallel_group)
-                distopt = b.ddp_config.use_distributed_optimizer
-                params = _buffer_params(b)
-                if distopt and b.ddp_config.overlap_param_gather:
-                    # the all-gather runs in the next forward: after the step only the owned shard is new
-                    regions.append(Region("params", name, _owned(b, "param_data", group), group, True))
-                else:
-                    regions.append(Region("params", name, [b.param_data] if b.param_data is not None
-                                          else [p.detach() for p in params], group, False))
-                if distopt:
-                    regions.append(Region("grads", name, _owned(b, "grad_data", group), group, True))
-                else:
-                    regions.append(Region("grads", name, [b.grad_data], group, False))
-                mains = [p.main_param for p in params if getattr(p, "main_param", None) is not None]
-                if mains:
-                    sharded = any(getattr(p, "main_param_sharded", False) for p in params)
-                    regions.append(Region("main_params", name, mains, group, sharded))
+                yield f"{ci}.{family}.{bi}", b, Group.of(b.data_parallel_group)
+
+
+def optimizer_regions(ddp_modules, optimizer) -> list[Region] | None:
+    """The optimizer's per-element state of each DDP buffer's params (Adam's ``exp_avg``,
+    ``exp_avg_sq``: every state tensor shaped like its parameter), one region per state key and
+    buffer, in buffer order, replicated over the buffer's group. Only without the distributed
+    optimizer: with it each rank holds its own shard's state, no replica (``replica_coverage`` says
+    so). None while the optimizer has made no state yet (torch's Adam makes it at its first step);
+    scalar state (Adam's per-param step count) is not a buffer and is left out."""
+    import torch
+
+    if optimizer is None:
+        return []
+    states = {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        states.update(opt.optimizer.state)
+    regions = []
+    for name, b, group in _buffers(ddp_modules):
+        if b.ddp_config.use_distributed_optimizer:
+            continue
+        keys = [p.main_param if getattr(p, "main_param", None) is not None else p for p in _buffer_params(b)]
+        per = [states.get(k) for k in keys]
+        if any(not st for st in per):
+            return None
+        for key in sorted(per[0]):
+            tensors = [st.get(key) for st in per]
+            if all(isinstance(t, torch.Tensor) and t.shape == k.shape and t.dim() for t, k in zip(tensors, keys)):
+                regions.append(Region(key, name, tensors, group, False))
     return regions
+
+
+def replica_coverage(ddp_modules) -> list[dict]:
+    """What the replica check (``bitdet check``) can cover in this layout, per DDP buffer and kind:
+    ``replicas`` (the data-parallel group's size) and ``layout``: ``replicated`` (every replica's
+    copy digested at the same step as the others', each chunk within ``bound_steps`` = replicas x
+    CHECK_CHUNKS steps), ``owned shard`` (the distributed optimizer's, or the params before an
+    overlapped all-gather: one holder, nothing to compare: ``why``) or ``one replica``. The
+    manifest records it (``replica_check``); ``optimizer`` is the optimizer's per-element state."""
+    out = []
+    for name, b, group in _buffers(ddp_modules):
+        distopt = b.ddp_config.use_distributed_optimizer
+        mixed = any(getattr(p, "main_param", None) is not None or getattr(p, "main_param_sharded", False)
+                    for p in b.params)
+        kinds = {"params": "overlap-param-gather: only the owned shard is the step's"
+                 if distopt and b.ddp_config.overlap_param_gather else None,
+                 "grads": "distributed optimizer: the reduce-scatter's owned shard" if distopt else None}
+        if mixed:
+            kinds["main_params"] = "distributed optimizer: owned shard" if distopt else None
+        kinds["optimizer"] = "distributed optimizer: owned shard" if distopt else None
+        for kind, why in kinds.items():
+            entry = {"kind": kind, "buf": name, "replicas": group.size}
+            if group.size == 1:
+                entry["layout"] = "one replica"
+            elif why:
+                entry.update(layout="owned shard", why=why)
+            else:
+                entry.update(layout="replicated", bound_steps=group.size * CHECK_CHUNKS)
+            out.append(entry)
+    return out
 
 
 def _coordinates(expert: bool) -> str:
@@ -187,8 +264,10 @@ class StepDigests:
     modules' attributes, buffers and children changes (an attribute rebound to another generator
     without changing that count is found at the next walk: checkpoints and snapshots walk anew)."""
 
-    def __init__(self, ddp_modules, *, logical_digests: bool = False):
+    def __init__(self, ddp_modules, *, optimizer=None, logical_digests: bool = False):
         self.model = list(ddp_modules)
+        self.optimizer = optimizer          # its per-element state is digested too (``optimizer_regions``)
+        self._opt_regions: list[Region] | None = None
         self.logical = logical_digests  # dp_invariant: also the layout-free digests (``logical_pieces``)
         self._pieces: dict | None = None
         self._partials: dict[str, object] = {}
@@ -207,9 +286,12 @@ class StepDigests:
         self.pending.launch(jobs)
 
     def regions(self) -> list[Region]:
+        """The DDP buffers' regions, then the optimizer state's once the optimizer has made it."""
         if self._regions is None:
             self._regions = ddp_regions(self.model)
-        return self._regions
+        if self._opt_regions is None:
+            self._opt_regions = optimizer_regions(self.model, self.optimizer)
+        return self._regions + (self._opt_regions or [])
 
     def _launch_logical(self, kinds) -> None:
         """This rank's partial logical digest of each kind, summed on the device (read in ``resolve``)."""
@@ -231,8 +313,9 @@ class StepDigests:
         self._launch_logical(("grads",))
 
     def state(self, step: int) -> None:
-        """Launch the digests of the state the step left: params, main params, the model's buffers,
-        its generators' states, FP8 encoded weights and scaling state, NVFP4 encodings."""
+        """Launch the digests of the state the step left: params, main params, the optimizer's
+        replicated per-element state, the model's buffers, its generators' states, FP8 encoded weights
+        and scaling state, NVFP4 encodings."""
         self._launch([j for r in self.regions() if r.kind != "grads" for j in r.jobs(step)])
         self._launch_logical(("params", "main_params"))
         jobs = []
@@ -290,8 +373,9 @@ class StepDigests:
             if owner is None:
                 own.setdefault(region.kind, []).extend(f"{region.buf}:{lo}-{hi}:{h}" for lo, hi, h in parts)
         digests = {}
-        for kind in ("params", "grads", "buffers", "generators", "main_params", "fp8_values", "fp8_scales",
-                     "fp4_values", "fp4_scales"):
+        fixed = ("params", "grads", "buffers", "generators", "main_params", "fp8_values", "fp8_scales",
+                 "fp4_values", "fp4_scales")
+        for kind in (*fixed, *sorted(own.keys() - set(fixed))):  # then the optimizer's state kinds
             if kind in own:
                 digests[kind] = f"{algo[kind]}:{combine(own[kind])}"
             elif kind in small:

@@ -62,6 +62,7 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
         from megatron_bitdet.train.setup import setup
         from megatron_bitdet.train.module_state import restore_module_rng
         from megatron_bitdet.train.snapshot import inject_restore_faults, read_selection, take_snapshot
+        from megatron_bitdet.train.step_fingerprints import replica_coverage
         from megatron_bitdet.train.tracing import make_tracer
 
         if not _ENFORCEMENT:
@@ -75,7 +76,8 @@ def worker(rank: int, world_size: int, *, recipe: dict, options: dict, hooks=())
             recipe, enforcement, world_size=world_size, argv=None if opts.argv is None else list(opts.argv),
             placement=gather_placement(), model_provider=opts.model_provider,
             extra={"patches": state.patches, "cpu_backend_seams": state.cpu_seams,
-                   "model_provider": opts.model_provider, "trace": options["trace"]},
+                   "model_provider": opts.model_provider, "trace": options["trace"],
+                   "replica_check": replica_coverage(state.ddp_modules)},
         )
         if rank == 0:
             write_manifest(run_dir, manifest)
