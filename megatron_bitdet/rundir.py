@@ -91,11 +91,23 @@ def log_path(run_dir, rank: int) -> Path:
     return logs_dir(run_dir) / f"rank_{rank:05d}.log"
 
 
+def make_dir(path, what: str = "run directory") -> Path:
+    """``path`` and its parents created (exist_ok); BitdetInputError naming ``path`` and the file in the
+    way, or the OS's reason, when it cannot be."""
+    path = Path(path)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        blocker = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), None)
+        why = f"{blocker} is a file, not a directory" if blocker else (exc.strerror or str(exc))
+        raise BitdetInputError(f"{path}: cannot create the {what}: {why}") from None
+    return path
+
+
 def fresh(run_dir) -> Path:
     """Remove whatever an earlier run left in ``run_dir`` and recreate it empty."""
     shutil.rmtree(run_dir, ignore_errors=True)
-    Path(run_dir).mkdir(parents=True, exist_ok=True)
-    return Path(run_dir)
+    return make_dir(run_dir)
 
 
 def read_result(path, what: str, required=()) -> dict | None:

@@ -89,6 +89,24 @@ def test_changed_metadata_is_refused_before_launch(reference_run, tmp_path, caps
     assert not (tmp_path / "run").exists()
 
 
+def test_a_recipe_of_other_shapes_is_refused_before_launch(saved_checkpoint, tmp_path, capsys):
+    """``--load`` of a hidden-64, 4-expert checkpoint with hidden 128 and 8 experts: exit 2 naming the
+    checkpoint's metadata, each key and both values (megatron's CheckpointingException inside the ranks
+    before), nothing started."""
+    from conftest import RECIPE
+    from megatron_bitdet.cli import main
+
+    args = ["train", "--recipe", str(RECIPE), "--nproc", "2", "--run-dir", str(tmp_path / "run"),
+            "--load", str(saved_checkpoint), f"training.iterations={ITERATIONS}", "model.hidden_size=128",
+            "model.moe.num_experts=8", "model.hidden_dropout=0.1"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert f"{saved_checkpoint / META}" in err and "parameter shapes differ from this one's in 2 key(s)" in err, err
+    assert "model.hidden_size: checkpoint 64, this recipe 128" in err
+    assert "model.moe.num_experts: checkpoint 4, this recipe 8" in err and "hidden_dropout" not in err
+    assert not (tmp_path / "run").exists()
+
+
 class Wrapped:  # what restore_adam_steps reads of megatron's optimizer: ``.optimizer``
     def __init__(self, inner):
         self.optimizer = inner

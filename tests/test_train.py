@@ -72,6 +72,14 @@ def test_recipe_megatron_rejects_is_refused_before_launch(overrides, message, tm
     assert not (tmp_path / "run" / "logs").exists()
 
 
+def test_a_run_dir_under_a_file_is_refused_naming_it(tmp_path, capsys):
+    """``--run-dir`` whose parent is a file: exit 2 naming both, not a NotADirectoryError traceback."""
+    (tmp_path / "file").write_text("")
+    assert bitdet(["train", "--recipe", str(RECIPE), "--nproc", "2", "--run-dir", str(tmp_path / "file" / "run")]) == 2
+    assert f"{tmp_path / 'file' / 'run'}: cannot create the run directory: {tmp_path / 'file'} is a file" in \
+        capsys.readouterr().err
+
+
 def test_default_layout_ep2_alltoall_trains(reference_run):
     assert_trained(reference_run, {"ep": 2, "dp": 2, "tp": 1, "pp": 1}, (0, 1))
     assert reference_run.manifest()["recipe"]["model"]["moe"]["dispatcher"] == "alltoall"

@@ -93,10 +93,11 @@ def run(args) -> int:
         sys.path.insert(0, os.getcwd())
         load_model_provider(args.model_provider)  # fail here, before any rank starts
     if args.load:
-        from megatron_bitdet.train.checkpoint import resolve_checkpoint, verify_checkpoint
+        from megatron_bitdet.train.checkpoint import check_recipe_shapes, resolve_checkpoint, verify_checkpoint
 
-        # an incomplete, foreign or corrupt checkpoint is refused before any rank starts
-        verify_checkpoint(resolve_checkpoint(args.load))
+        # an incomplete, foreign or corrupt checkpoint, or one of other shapes, is refused before any rank starts
+        path = resolve_checkpoint(args.load)
+        check_recipe_shapes(path, verify_checkpoint(path), recipe)
     from megatron_bitdet.train.run import RunOptions, launch_training
 
     return launch_training(recipe, RunOptions(

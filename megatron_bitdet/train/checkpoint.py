@@ -273,6 +273,47 @@ def verify_checkpoint(path: Path) -> dict:
     return meta
 
 
+# Recipe keys that set the shape or dtype of a saved parameter or buffer (its presence too: biases,
+# the expert bias, FP8 / NVFP4 state). A checkpoint saved under other values cannot load (megatron-core's
+# CheckpointingException, inside the ranks), so ``check_recipe_shapes`` refuses it before any rank starts.
+SHAPE_KEYS = (
+    "model.hybrid_pattern", "model.hidden_size", "model.ffn_hidden_size", "model.num_attention_heads",
+    "model.num_query_groups", "model.kv_channels", "model.vocab_size", "model.activation", "model.add_bias_linear",
+    "model.normalization", "model.position_embedding", "model.params_dtype", "model.mtp_num_layers",
+    "model.mamba.num_heads", "model.mamba.head_dim", "model.mamba.state_dim", "model.mamba.num_groups",
+    "model.mamba.conv_kernel", "model.moe.num_experts", "model.moe.ffn_hidden_size",
+    "model.moe.shared_expert_ffn_hidden_size", "model.moe.router_expert_bias", "model.fp8.recipe",
+    "model.fp8.amax_history_len", "model.fp4.recipe",
+)
+_ABSENT = object()
+
+
+def _dotted(d, key: str):
+    for part in key.split("."):
+        d = d.get(part, _ABSENT) if isinstance(d, dict) else _ABSENT
+    return d
+
+
+def check_recipe_shapes(path: Path, meta: dict, recipe) -> None:
+    """Refuse (BitdetInputError naming the checkpoint's metadata file, each key and both values) a
+    recipe whose ``SHAPE_KEYS`` differ from the recipe the checkpoint was saved by (its manifest's),
+    and ``model.seq_length`` where either has learned absolute positions. A key the saving bitdet's
+    recipe did not have is not compared."""
+    saved = _dotted(meta.get("manifest"), "recipe")
+    if not isinstance(saved, dict):
+        return
+    now = recipe.to_dict()
+    keys = list(SHAPE_KEYS)
+    if "learned_absolute" in (_dotted(saved, "model.position_embedding"), _dotted(now, "model.position_embedding")):
+        keys.append("model.seq_length")
+    differ = [(k, _dotted(saved, k), _dotted(now, k)) for k in keys
+              if _dotted(saved, k) is not _ABSENT and _dotted(saved, k) != _dotted(now, k)]
+    if differ:
+        rows = "\n".join(f"  {k}: checkpoint {a!r}, this recipe {b!r}" for k, a, b in differ)
+        raise BitdetInputError(f"{path / META}: the checkpoint was saved by a recipe whose parameter shapes differ "
+                               f"from this one's in {len(differ)} key(s); --load needs the same:\n{rows}")
+
+
 def load_checkpoint(path, *, ddp_modules, optimizer, scheduler, world_size: int) -> tuple[int, dict]:
     """Collective. Restores model, optimizer, scheduler; returns (iteration, this rank's state). A
     checkpoint saved at another world size loads when only the data-parallel size differs (module

@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 
 from megatron_bitdet.errors import BitdetInputError, DeterminismViolation
-from megatron_bitdet.rundir import fresh
+from megatron_bitdet.rundir import fresh, make_dir
 from megatron_bitdet.trace import TraceConfig
 
 WORKER = "megatron_bitdet.train.worker:worker"
@@ -111,7 +110,7 @@ def launch_training(recipe, options: RunOptions, *, worker: str = WORKER, worker
     check_layout(recipe, options.nproc)
     if options.fresh:
         fresh(options.run_dir)
-    Path(options.run_dir).mkdir(parents=True, exist_ok=True)
+    make_dir(options.run_dir)
     if options.save_interval is None:
         options = replace(options, save_interval=recipe.checkpoint.save_interval)
     return launch(worker, options.nproc, {"recipe": recipe.to_dict(), "options": options.to_json(),
