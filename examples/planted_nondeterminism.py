@@ -15,6 +15,11 @@ The same planted op under Megatron-LM's own ``pretrain_mamba.py``: ``examples.pl
 embedding path (``weight[ids]``, backward ``index_put_(accumulate=True)``) without torch's
 deterministic algorithms; run it with ``determinism.mode=false`` (torch's flag off).
 
+``thread_order_gather`` is that embedding lookup made certain, for tests: ``weight[ids]`` whose backward
+(``thread_order_index_add``) adds the repeated rows in an os.urandom order on more than one thread without
+torch's deterministic algorithms, in index order otherwise. The real kernel's order changes only while two
+threads add into one row at the same moment, which a CPU need not do in a given run.
+
 ``autotune_provider`` makes the dense MLP linears pick a split-K kernel configuration by timing the
 candidates at run time (an autotuner): runs differ from step 1 by the choices timing noise makes.
 ``fused_aux_loss_provider`` computes the MoE load-balancing loss with per-expert sums accumulated in
@@ -25,10 +30,8 @@ from __future__ import annotations
 import random
 
 import torch
-from megatron.core.ssm.mlp_layer import MLPLayer
 
 from megatron_bitdet.errors import BitdetInputError
-from megatron_bitdet.model.builder import default_model_provider
 
 SPLITS = 8
 PLANT_RANK = 0
@@ -88,6 +91,10 @@ class SplitKAtomicLinear(torch.nn.Module):
 
 def provider(recipe, config, *, pre_process: bool = True, post_process: bool = True):
     """The default hybrid with the planted split-K atomic sum in the first dense MLP, on rank PLANT_RANK."""
+    from megatron.core.ssm.mlp_layer import MLPLayer
+
+    from megatron_bitdet.model.builder import default_model_provider
+
     if config.tensor_model_parallel_size != 1:
         raise BitdetInputError("examples.planted_nondeterminism:provider plants a TP1 linear; use parallel.tensor=1")
     model = default_model_provider(recipe, config, pre_process=pre_process, post_process=post_process)
@@ -101,10 +108,55 @@ def provider(recipe, config, *, pre_process: bool = True, post_process: bool = T
 
 def index_put_provider(recipe, config, *, pre_process: bool = True, post_process: bool = True):
     """The default hybrid with megatron's deterministic embedding path switched on for the embedding only."""
+    from megatron_bitdet.model.builder import default_model_provider
+
     model = default_model_provider(recipe, config, pre_process=pre_process, post_process=post_process)
     if pre_process:
         model.embedding.word_embeddings.deterministic_mode = True
     return model
+
+
+# --------------------------------------------------------------------------- a thread-scheduled accumulation
+def _threads_race() -> bool:
+    """Where a parallel accumulation's threads would race: several intra-op threads, torch's deterministic
+    algorithms off."""
+    return torch.get_num_threads() > 1 and not torch.are_deterministic_algorithms_enabled()
+
+
+@torch.library.custom_op("bitdet_example::thread_order_index_add", mutates_args=())
+def thread_order_index_add(values: torch.Tensor, index: torch.Tensor, rows: int) -> torch.Tensor:
+    """``zeros(rows, ...)`` with ``values[i]`` added into row ``index[i]``, as index_put_(accumulate=True) sums:
+    in an order drawn from os.urandom where threads would race (they add as they arrive), else in index order."""
+    n = index.shape[0]
+    order = (torch.randperm(n, generator=torch.Generator().manual_seed(random.SystemRandom().getrandbits(63)))
+             if _threads_race() else torch.arange(n))
+    return values.new_zeros((rows, *values.shape[1:])).index_add_(0, index[order], values[order])
+
+
+@thread_order_index_add.register_fake
+def _(values, index, rows):
+    return values.new_empty((rows, *values.shape[1:]))
+
+
+@torch.library.custom_op("bitdet_example::thread_order_gather", mutates_args=())
+def thread_order_gather(weight: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """``weight[index]`` (exact); the backward adds the gradient rows with thread_order_index_add."""
+    return weight[index]
+
+
+@thread_order_gather.register_fake
+def _(weight, index):
+    return weight.new_empty((*index.shape, *weight.shape[1:]))
+
+
+def _gather_backward(ctx, grad):
+    index, = ctx.saved_tensors
+    return thread_order_index_add(grad.reshape(-1, *grad.shape[index.dim():]), index.reshape(-1), ctx.rows), None
+
+
+thread_order_gather.register_autograd(
+    _gather_backward, setup_context=lambda ctx, inputs, output: (ctx.save_for_backward(inputs[1]),
+                                                                 setattr(ctx, "rows", inputs[0].shape[0])))
 
 
 # --------------------------------------------------------------------------- a run-time kernel choice
@@ -171,6 +223,10 @@ class AutotunedLinear(torch.nn.Module):
 
 def autotune_provider(recipe, config, *, pre_process: bool = True, post_process: bool = True):
     """The default hybrid whose dense MLP linears pick a split-K configuration by timing at every call."""
+    from megatron.core.ssm.mlp_layer import MLPLayer
+
+    from megatron_bitdet.model.builder import default_model_provider
+
     if config.tensor_model_parallel_size != 1:
         raise BitdetInputError("examples.planted_nondeterminism:autotune_provider plants TP1 linears; use parallel.tensor=1")
     model = default_model_provider(recipe, config, pre_process=pre_process, post_process=post_process)
@@ -214,6 +270,8 @@ def fused_aux_loss_provider(recipe, config, *, pre_process: bool = True, post_pr
     """The default hybrid whose MoE routers compute the load-balancing loss with the atomic "fused" sum
     (what moe_router_fusion does on a GPU): only the MoE aux loss differs run to run."""
     from megatron.core.transformer.moe import router
+
+    from megatron_bitdet.model.builder import default_model_provider
 
     router.switch_load_balancing_loss_func = fused_aux_loss
     return default_model_provider(recipe, config, pre_process=pre_process, post_process=post_process)

@@ -1,7 +1,8 @@
 """The kernel rung on real ops, without training: an op occurrence captured inside a traced window
 (by its run-independent event id, inputs cloned before the op), written per rank, read back with
-weights_only, replayed in a fresh process under several configurations; verdicts for the real CPU
-index_put_(accumulate) nondeterminism, an order drawn inside the kernel (the planted atomic sum),
+weights_only, replayed in a fresh process under several configurations; verdicts for a thread-ordered
+accumulation (planted: the real CPU index_put_(accumulate)'s race need not happen on a given CPU and run;
+that one is test_fixcheck's), an order drawn inside the kernel (the planted atomic sum),
 a deterministic op, and differing configurations between two runs. Bad capture files exit 2."""
 from __future__ import annotations
 
@@ -28,31 +29,31 @@ def _capture(run_dir, fn, event_id):
     return capture_path(run_dir, 0)
 
 
-def _index_put(threads=2):
-    def fn():
-        torch.set_num_threads(threads)
-        g = torch.Generator().manual_seed(0)
-        idx = torch.randint(0, 8, (16384,), generator=g)  # few rows: many repeated indices
-        vals = torch.randn(16384, 64, generator=g)
-        torch.zeros(8, 64).index_put_((idx,), vals, accumulate=True)
-    return fn
+def test_thread_ordered_accumulation_is_thread_order_with_a_deterministic_variant(tmp_path, monkeypatch):
+    """The planted index_put_(accumulate)-style sum (examples.planted_nondeterminism.thread_order_index_add):
+    its order varies whenever threads would race, where the real kernel's race may not happen in a run."""
+    monkeypatch.chdir(ROOT)  # the replay process imports the op's defining module from here
+    from examples.planted_nondeterminism import thread_order_index_add
 
-
-def test_index_put_accumulate_is_thread_order_with_a_deterministic_variant(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, 8, (4096,), generator=g)  # few rows: many repeated indices
+    vals = torch.randn(4096, 64, generator=g)
     threads = torch.get_num_threads()
+    torch.set_num_threads(2)
     try:
-        paths = [_capture(tmp_path / r, _index_put(), "1/forward//aten.index_put_.default#0") for r in "ab"]
+        paths = [_capture(tmp_path / r, lambda: thread_order_index_add(vals, idx, 8),
+                          "1/forward//bitdet_example.thread_order_index_add.default#0") for r in "ab"]
     finally:
         torch.set_num_threads(threads)
     rec = load_capture(paths[0])
-    assert rec["op"] == "aten.index_put_.default" and rec["threads"] == 2 and rec["args"][3] is True
-    assert torch.count_nonzero(rebuild(rec["inputs"][0], strided=True)) == 0  # cloned before the op wrote it
-    v = replay_op(*paths, repeats=20, threads=[1, 2])
+    assert rec["op"] == "bitdet_example.thread_order_index_add.default" and rec["threads"] == 2
+    assert rec["home"] == "examples.planted_nondeterminism" and rec["args"][2] == 8
+    v = replay_op(*paths, repeats=10, threads=[1, 2])
     by = {c["label"]: c for c in v.configs}
     assert by["as recorded (2 threads)"]["distinct"] > 1
     assert by["1 thread"]["distinct"] == 1 and by["deterministic algorithms (2 threads)"]["distinct"] == 1
     assert v.mechanism == "thread_scheduling" and v.deterministic_variant == "yes"
-    assert v.verdict.startswith("aten.index_put_.default (accumulate) — ")
+    assert v.verdict.startswith("bitdet_example.thread_order_index_add.default — ")
     assert "1 at 1 thread, 1 with deterministic algorithms" in v.verdict and "torch has a deterministic variant" in v.verdict
     assert "captured inputs identical in both runs" in v.evidence
 

@@ -1,8 +1,9 @@
 """The regression helpers users get from the pytest plugin (fixtures requested here without any
-conftest: the pytest11 entry point of the installed package provides them). Each must fail on a real
-source of nondeterminism — CPU index_put_(accumulate=True) with repeated indices on 2 threads
-without torch's deterministic algorithms, and the planted order-dependent sum of
-examples/planted_nondeterminism.py — and pass on every kernel the patch declarations swap in."""
+conftest: the pytest11 entry point of the installed package provides them). Each must fail on a planted
+source of nondeterminism of examples/planted_nondeterminism.py — megatron's deterministic-mode embedding
+lookup whose index_put_(accumulate)-style backward sums in thread order on 2 threads without torch's
+deterministic algorithms (planted: the real kernel's race need not happen on a given CPU and check), and the
+order-dependent sum that varies on one thread too — and pass on every kernel the patch declarations swap in."""
 from __future__ import annotations
 
 import importlib
@@ -25,11 +26,26 @@ def _randn(*shape, gen, dtype=torch.float32, grad=True):
 
 
 def gather_rows(weight, ids):
-    """megatron's deterministic-mode embedding lookup: backward is index_put_(accumulate=True)."""
-    return weight[ids]
+    """megatron's deterministic-mode embedding lookup (weight[ids]) with the planted thread-ordered backward."""
+    from examples.planted_nondeterminism import thread_order_gather
+
+    return thread_order_gather(weight, ids)
 
 
-def _index_put_inputs():
+class ThreadOrderLookup(torch.overrides.TorchFunctionMode):
+    """Routes ``weight[ids]`` (megatron's deterministic-mode lookup) to the planted thread_order_gather."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and args[0] is self.weight:
+            return gather_rows(*args)
+        return func(*args, **(kwargs or {}))
+
+
+def _gather_inputs():
     gen = torch.Generator().manual_seed(GEN_SEED)
     return _randn(64, 64, gen=gen), torch.randint(0, 64, (8192,), generator=gen)  # every row repeated ~128x
 
@@ -37,9 +53,10 @@ def _index_put_inputs():
 # ---------------------------------------------------------------------------- kernel check
 
 
-def test_kernel_check_fails_on_cpu_index_put_and_names_the_element(bitdet_kernel_check):
+def test_kernel_check_fails_on_a_thread_ordered_backward_and_names_the_element(bitdet_kernel_check, monkeypatch):
+    monkeypatch.syspath_prepend(str(REPO))
     with pytest.raises(NondeterminismError) as info:
-        bitdet_kernel_check(gather_rows, *_index_put_inputs(), threads=(1, 2), repeats=10,
+        bitdet_kernel_check(gather_rows, *_gather_inputs(), threads=(1, 2), repeats=5,
                             deterministic_algorithms=False)
     text = str(info.value)
     assert "check_kernel(gather_rows) is not bitwise repeatable" in text
@@ -49,8 +66,8 @@ def test_kernel_check_fails_on_cpu_index_put_and_names_the_element(bitdet_kernel
     assert "repeatable on 1 thread, not on [2]" in text and "only gradients differ" in text
     assert "deterministic algorithms were off" in text
     assert [d.name for d in info.value.differences] == ["grad of input[0]"]
-    # the fix the message names: torch's deterministic index_put_
-    report = bitdet_kernel_check(gather_rows, *_index_put_inputs(), threads=(1, 2), repeats=10)
+    # the fix the message names: torch's deterministic algorithms (the planted sum then runs in index order)
+    report = bitdet_kernel_check(gather_rows, *_gather_inputs(), threads=(1, 2), repeats=5)
     assert report.tensors == ["output", "grad of input[0]"] and report.settings == ["threads=1", "threads=2"]
 
 
@@ -156,11 +173,16 @@ def test_kernel_check_passes_on_every_swapped_kernel(bitdet_kernel_check):
 
 
 def embedding_builder(layout: Layout):
-    """megatron's VocabParallelEmbedding in deterministic_mode (backward: index_put_ accumulate)."""
+    """megatron's VocabParallelEmbedding in deterministic_mode, its lookup's backward the planted thread-ordered sum."""
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
+    class PlantedEmbedding(VocabParallelEmbedding):
+        def forward(self, input_):
+            with ThreadOrderLookup(self.weight):
+                return super().forward(input_)
+
     config = layout.transformer_config(num_layers=1, hidden_size=64, num_attention_heads=4)
-    embedding = VocabParallelEmbedding(64, 64, init_method=torch.nn.init.normal_, config=config)
+    embedding = PlantedEmbedding(64, 64, init_method=torch.nn.init.normal_, config=config)
     return embedding, (torch.randint(0, 64, (8, 1024)),)
 
 
@@ -213,30 +235,21 @@ def moe_block_builder(layout: Layout):
 
 
 @pytest.mark.timeout(600)
-def test_module_check_fails_on_megatron_index_put_embedding(bitdet_module_check):
-    """The source is real and timing-bound: index_put_'s parallel accumulation differs only while a
-    rank's two threads add into one row at the same moment, and with two ranks of two threads on two
-    cores that happens in some checks only (measured here: a rank's 4 repeats were all identical in
-    ~20% of tries). So each layout must be reported in one of up to four checks, and every report
-    must read right."""
+def test_module_check_fails_on_a_thread_ordered_megatron_embedding(bitdet_module_check, monkeypatch):
+    """Every rank of both layouts sums its weight gradient in a drawn order: each is reported, read right."""
     import re
 
-    seen = set()
-    for _ in range(4):
-        try:
-            bitdet_module_check(embedding_builder, layouts=[{"tensor": 1}, {"tensor": 2}], threads=(2,),
-                                repeats=4, deterministic_algorithms=False)
-            continue  # no repeat differed anywhere this time (the threads never overlapped)
-        except NondeterminismError as exc:
-            text = str(exc)
-        assert f"check_module({__name__}:embedding_builder) is not bitwise repeatable" in text
-        assert "grad of parameter weight:" in text and "first at [" in text and "float32:" in text
-        assert "output" not in text.split("next:")[0]  # the lookup itself is exact
-        assert "bitdet localize" in text
-        seen |= set(re.findall(r"layout (tp[12]) pp1 cp1 ep1, rank [01], threads=2", text))
-        if seen == {"tp1", "tp2"}:
-            break
-    assert seen == {"tp1", "tp2"}
+    monkeypatch.syspath_prepend(str(REPO))  # the ranks import the planted op
+    with pytest.raises(NondeterminismError) as info:
+        bitdet_module_check(embedding_builder, layouts=[{"tensor": 1}, {"tensor": 2}], threads=(2,),
+                            repeats=2, deterministic_algorithms=False)
+    text = str(info.value)
+    assert f"check_module({__name__}:embedding_builder) is not bitwise repeatable" in text
+    assert "grad of parameter weight:" in text and "first at [" in text and "float32:" in text
+    assert "output" not in text.split("next:")[0]  # the lookup itself is exact
+    assert "bitdet localize" in text
+    assert set(re.findall(r"layout (tp[12]) pp1 cp1 ep1, rank ([01]), threads=2", text)) == {
+        ("tp1", "0"), ("tp1", "1"), ("tp2", "0"), ("tp2", "1")}
 
 
 @pytest.mark.timeout(600)
