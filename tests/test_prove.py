@@ -32,8 +32,11 @@ def test_prove_holds_end_to_end(tmp_path, capsys):
     assert rc == 0, printed[-3000:]
     html = (out / "report.html").read_text()
     rows = _verdict_rows(html)
-    assert [state for state, _ in rows] == ["holds", "holds"]
+    assert [state for state, _ in rows] == ["holds", "holds", "holds"]
     assert "independent reproducibility" in rows[0][1] and "checkpoint resume" in rows[1][1]
+    assert "replicas agree within run A" in rows[2][1]
+    # the replica check's evidence: what it covered, and what the distributed optimizer leaves uncoverable
+    assert "replica-chunks" in html and "not coverable in this layout: grads" in html
     assert "Determinism tax" in html and "every guarantee holds" in html
     assert f"report: {out / 'report.html'}" in printed.replace("\n", "")
     import json

@@ -12,6 +12,7 @@ import pytest
 
 from megatron_bitdet.cli import main as bitdet
 from megatron_bitdet.fingerprint.shards import CHECK_CHUNKS
+from conftest import RECIPE
 from test_step_digests import run, test_workers  # noqa: F401  (a fixture)
 
 REPLICATED = ("parallel.expert=1", "parallel.distributed_optimizer=false")
@@ -42,7 +43,8 @@ def test_a_flip_in_bytes_a_replica_does_not_own_is_named_within_the_bound(tmp_pa
     p_rank, m_rank = RANKS[dp]
     flips = [["params", p_rank, (FLIP_STEP - 1) % bound], ["exp_avg", m_rank, (FLIP_STEP - 2) % bound]]
     where = tmp_path / "flips.json"
-    assert run(tmp_path / "run", *REPLICATED, nproc=dp, iterations=FLIP_STEP + bound - 1,
+    batch = ["training.micro_batch_size=1"] if dp == 8 else []  # the recipe's global batch is 8
+    assert run(tmp_path / "run", *REPLICATED, *batch, nproc=dp, iterations=FLIP_STEP + bound - 1,
                worker="fingerprint_workers:replica_flips",
                worker_args={"plant": {"step": FLIP_STEP, "flips": flips, "out": str(where)}}) == 0
     planted = json.loads(where.read_text())
@@ -115,3 +117,50 @@ def test_check_gives_no_verdict_without_every_ranks_evidence(clean_dp4, tmp_path
     if damage == "cut_line":
         got, report = check_json(copy, capsys, "--allow-truncated")
         assert got == 1 and report["verdict"] == "incomplete"
+
+
+def _damage(copy, damage: str) -> tuple[str, str]:
+    """Rank 2's fingerprint file of a run copy removed, emptied or cut mid-line; what the refusal names."""
+    f = copy / "fingerprints" / "rank_00002.jsonl"
+    if damage == "missing":
+        f.unlink()
+        return "rank_00002.jsonl", "missing"
+    if damage == "empty":
+        f.write_bytes(b"")
+        return "rank_00002.jsonl", "empty fingerprint file"
+    f.write_bytes(f.read_bytes()[:-20])
+    return "rank_00002.jsonl:5", "truncated final line"
+
+
+def _verdict_argv(command: str, clean, copy, tmp_path) -> list[str]:
+    """Each verdict command on the damaged copy (as run B where it takes two runs); what it would
+    launch comes only after its input is judged, so none launches here."""
+    recipe = ["--recipe", str(RECIPE), "--nproc", "4", *REPLICATED, "training.iterations=5"]
+    if command == "fixcheck":  # the damaged copy is a reused original run
+        for i, src in enumerate((clean, copy)):
+            shutil.copytree(src, tmp_path / "fc" / "original" / f"run_{i}")
+        return ["fixcheck", *recipe, "--out", str(tmp_path / "fc"), "--reuse-original", "--fix", "training.seed=7",
+                "--no-localize", "--no-tax"]
+    return {"compare": ["compare", str(clean), str(copy)],
+            "check": ["check", str(copy)],
+            "verify-resume": ["verify-resume", *recipe, "--resume-at", "2", "--reference", str(copy),
+                              "--out", str(tmp_path / "vr")],
+            "localize": ["localize", str(clean), str(copy)],
+            "doctor": ["doctor", str(clean), str(copy), "--offline"],
+            "replay": ["replay", str(copy), "--step", "3"]}[command]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("damage", ["missing", "empty", "truncated"])
+@pytest.mark.parametrize("command", ["compare", "check", "verify-resume", "localize", "fixcheck", "replay", "doctor"])
+def test_every_verdict_command_refuses_a_run_with_a_rank_file_missing_empty_or_cut(clean_dp4, tmp_path, capsys,
+                                                                                   command, damage):
+    """One shared real DP 4 run, copied and damaged per case: exit 2 naming the file, never a verdict."""
+    copy = tmp_path / "run"
+    shutil.copytree(clean_dp4, copy)
+    says = _damage(copy, damage)
+    argv = _verdict_argv(command, clean_dp4, copy, tmp_path)
+    capsys.readouterr()
+    assert bitdet(argv) == 2
+    captured = capsys.readouterr()
+    assert all(s in captured.out + captured.err for s in says), (captured.out[-2000:], captured.err[-2000:])

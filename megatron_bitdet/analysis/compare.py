@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from megatron_bitdet.analysis.fingerprints_io import load_run
+from megatron_bitdet.analysis.fingerprints_io import load_run, require_every_rank
 from megatron_bitdet.analysis.run_data import RunData
 from megatron_bitdet.enforce.manifest import scope_diff
 from megatron_bitdet.errors import BitdetInputError
@@ -225,13 +225,8 @@ def _select_ranks(a: RunData, b: RunData, wanted) -> list[int]:
                 )
     if wanted is None:
         for run in (a, b):
-            world = ((run.manifest or {}).get("scope") or {}).get("world_size")
-            missing = [r for r in range(world) if r not in run.ranks] if type(world) is int else []
-            if missing:
-                raise BitdetInputError(
-                    f"{run.path}: the manifest's world_size is {world} but no fingerprint file holds rank(s) "
-                    f"{missing} (fingerprints/rank_{missing[0]:05d}.jsonl is missing); pass --ranks to "
-                    "compare only some ranks")
+            if run.manifest is not None:  # a TensorBoard log dir has none
+                require_every_rank(run, "; pass --ranks to compare only some ranks")
     return ranks
 
 

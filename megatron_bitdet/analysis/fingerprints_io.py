@@ -70,3 +70,21 @@ def _load_bitdet(path: Path, allow_truncated: bool) -> RunData:
 def read_manifest(path: Path) -> dict | None:
     """The run manifest, or None when the run has none; a corrupt one is unusable input."""
     return load_manifest(path) if path.exists() else None
+
+
+def require_every_rank(run: RunData, hint: str = "") -> None:
+    """Refuse (exit 2) a bitdet run whose fingerprint files are not exactly its manifest's world: a
+    missing rank was compared by nobody, so no verdict may cover it (``hint``: what the caller's user
+    can do instead)."""
+    world = ((run.manifest or {}).get("scope") or {}).get("world_size")
+    if type(world) is not int:
+        raise BitdetInputError(f"{run.path}: no manifest.json with scope.world_size: cannot tell whether every "
+                               "rank's fingerprint file is present")
+    missing = [r for r in range(world) if r not in run.ranks]
+    if missing:
+        raise BitdetInputError(f"{run.path}: the manifest's world_size is {world} but rank(s) {missing} have no "
+                               f"fingerprint file (fingerprints/rank_{missing[0]:05d}.jsonl is missing){hint}")
+    foreign = sorted(r for r in run.ranks if r >= world)
+    if foreign:
+        raise BitdetInputError(f"{run.files[foreign[0]]}: rank {foreign[0]} is outside the manifest's world_size "
+                               f"{world}")

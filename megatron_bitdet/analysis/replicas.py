@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 
-from megatron_bitdet.analysis.fingerprints_io import load_run
+from megatron_bitdet.analysis.fingerprints_io import load_run, require_every_rank
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.fingerprint.shards import CHECK_CHUNKS, combine
 
@@ -85,23 +85,6 @@ class CheckResult:
         out = asdict(self)
         out["coverage"] = [{**asdict(c), "complete": c.complete} for c in self.coverage]
         return {**out, "verdict": self.verdict, "suspects": self.suspects}
-
-
-def require_every_rank(run) -> None:
-    """Refuse (exit 2) a run whose fingerprint files are not exactly its manifest's world: a missing
-    rank was checked by nobody, so no verdict may cover it."""
-    world = ((run.manifest or {}).get("scope") or {}).get("world_size")
-    if type(world) is not int:
-        raise BitdetInputError(f"{run.path}: no manifest.json with scope.world_size: cannot tell whether every "
-                               "rank's fingerprint file is present")
-    missing = [r for r in range(world) if r not in run.ranks]
-    if missing:
-        raise BitdetInputError(f"{run.path}: the manifest's world_size is {world} but rank(s) {missing} have no "
-                               f"fingerprint file (fingerprints/rank_{missing[0]:05d}.jsonl is missing)")
-    foreign = sorted(r for r in run.ranks if r >= world)
-    if foreign:
-        raise BitdetInputError(f"{run.files[foreign[0]]}: rank {foreign[0]} is outside the manifest's world_size "
-                               f"{world}")
 
 
 def stopped_early(run) -> list[str]:
@@ -222,6 +205,17 @@ def _combined(owners: dict) -> dict[int, dict[str, str]]:
     for (step, kind, buf, group), members in sorted(groups.items()):
         chunks = [f"{index}:{lo}-{hi}:{h}" for index, parts in sorted(members) for (lo, hi), h in sorted(parts.items())]
         out.setdefault(step, {})[f"{kind} {buf} {group}"] = combine(chunks)
+    return out
+
+
+def coverage_summary(result: CheckResult) -> str:
+    """One paragraph of what the check covered and what it could not (``bitdet prove``'s table)."""
+    covered = "; ".join(f"{c.kind} {c.buf} {c.copies_compared} of {c.copies} replica-chunks"
+                        + (" (all)" if c.complete else "") for c in result.coverage)
+    out = (f"{result.chunks_checked} chunks compared across replicas, steps {_span(result.steps)}: {covered} "
+           f"(every copy within replicas x {CHECK_CHUNKS} steps)")
+    if result.uncoverable:
+        out += "; not coverable in this layout: " + "; ".join(result.uncoverable)
     return out
 
 

@@ -81,7 +81,8 @@ def run(args) -> int:
     if args.json:
         payload = {"holds": result.holds, "verdicts": [v.__dict__ for v in result.verdicts],
                    "resume": result.resume.to_json(), "tax": json.loads(result.tax.to_json()) if result.tax else None,
-                   "tax_error": result.tax_error, "stage_seconds": result.stage_seconds}
+                   "tax_error": result.tax_error, "replicas_unchecked": result.replicas_unchecked,
+                   "stage_seconds": result.stage_seconds}
         with open(os.path.join(args.out, "prove.json"), "w") as f:
             json.dump(payload, f, indent=2)
     console.print(("[green]every guarantee holds" if result.holds else "[bold red]a guarantee is BROKEN")

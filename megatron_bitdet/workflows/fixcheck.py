@@ -262,10 +262,11 @@ def fixcheck(recipe, fixed, fix: Fix, *, nproc: int, out_dir, provider=None, run
             notes.append(f"reused {runs - len(todo)} original run(s) of the same recipe and provider")
     if todo:
         _launch_all(recipe, provider, nproc, todo, "original")
+    original_v = judge_pairs(orig_dirs, steps)  # a reused run's missing or broken file: refused before more launches
     fixed_provider = fix.provider or provider
     with _env(fix.env):
         _launch_all(fixed, fixed_provider, nproc, fixed_dirs, "fixed")
-    original_v, fixed_v = judge_pairs(orig_dirs, steps), judge_pairs(fixed_dirs, steps)
+    fixed_v = judge_pairs(fixed_dirs, steps)
     changes, kind = classify(recipe, fixed, fix)
     result = FixcheckResult(str(out_dir), original_v, fixed_v, changes, kind, notes=notes)
     first = _first(original_v)

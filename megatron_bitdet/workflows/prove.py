@@ -16,6 +16,7 @@ from megatron_bitdet.analysis.report import RunSpec, Section, Verdict
 
 REPRODUCIBILITY = "independent reproducibility (run A vs run B, every step bitwise)"
 RESUME = "bitwise checkpoint resume (restored state and every later step vs run A)"
+REPLICAS = "replicas agree within run A (bitdet check: data-parallel copies, step by step)"
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,7 @@ class ProveResult:
     stage_seconds: dict = field(default_factory=dict)
     tax_hint: str = ""  # how far the tax figure goes (the runs' own words)
     runs: str = ""  # what was proven, in words
+    replicas_unchecked: str = ""  # why run A's replicas could not be checked (no verdict then)
 
     @property
     def holds(self) -> bool:
@@ -65,6 +67,26 @@ def reproducibility_verdict(result) -> Verdict:
     first = (f"first divergence at step {d.step}: {', '.join(d.metrics)} on rank(s) "
              f"{','.join(map(str, d.ranks))}" if d else result.error or result.verdict)
     return Verdict(REPRODUCIBILITY, False, f"{what}: {first}; {len(result.diverged_steps)} differing steps")
+
+
+def replica_verdict(run_a: Path) -> tuple[Verdict | None, str]:
+    """(verdict, "") of ``bitdet check`` on run A, what it covered and what the layout leaves
+    uncoverable its evidence; (None, why) for a run with nothing to check (one replica, only owned
+    shards): no verdict is claimed for it."""
+    from megatron_bitdet.analysis.replicas import check_run, coverage_summary
+    from megatron_bitdet.errors import BitdetInputError
+
+    try:
+        result = check_run(run_a)
+    except BitdetInputError as exc:
+        return None, str(exc)
+    evidence = coverage_summary(result)
+    if result.verdict == "consistent":
+        return Verdict(REPLICAS, True, f"{evidence}: all equal"), ""
+    named = ", ".join(map(str, result.suspects))
+    return Verdict(REPLICAS, False, f"{evidence}: {result.verdict}"
+                   + (f", {len(result.disagreements)} disagreements, suspect rank(s) {named}" if named else
+                      ": " + "; ".join(result.incomplete))), ""
 
 
 def resume_verdict(report) -> Verdict:
@@ -164,8 +186,10 @@ def prove(runs, *, out_dir, resume_at=None, config: ProveConfig | None = None, c
     stages.run(names[1], lambda: runs.independent(run_b))
     resume = stages.run(names[2], lambda: runs.resume_chain(steps, out / "resume", run_a))
     ab = stages.run(names[3], lambda: compare_runs(run_a, run_b))
-    verdicts = [reproducibility_verdict(ab), resume_verdict(resume)]
-    result = ProveResult(str(out), verdicts, ab, resume, tax_hint=runs.tax_hint, runs=runs.describe())
+    replicas, unchecked = replica_verdict(run_a)
+    verdicts = [reproducibility_verdict(ab), resume_verdict(resume), *([replicas] if replicas else [])]
+    result = ProveResult(str(out), verdicts, ab, resume, tax_hint=runs.tax_hint, runs=runs.describe(),
+                         replicas_unchecked=unchecked)
     if cfg.tax:
         try:
             result.tax = stages.run(names[4], lambda: runs.tax(out / "tax", cfg, run_a, run_b))
@@ -206,6 +230,8 @@ def verdict_table(result: ProveResult):
         table.add_column(col, overflow="fold")
     for v in result.verdicts:
         table.add_row(v.guarantee, "[green]holds" if v.holds else "[bold red]BROKEN", escape(v.evidence))
+    if result.replicas_unchecked:
+        table.add_row(REPLICAS, "not checkable", escape(result.replicas_unchecked))
     if result.tax:
         table.add_row("determinism tax (cost, not a guarantee)", f"{result.tax.tax_percent:+.1f}%",
                       escape(result.tax.summary() + "; " + result.tax_hint))

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from megatron_bitdet.analysis.compare import compare_runs
-from megatron_bitdet.analysis.fingerprints_io import load_run
+from megatron_bitdet.analysis.fingerprints_io import load_run, require_every_rank
 from megatron_bitdet.analysis.spike import load_stats, merge, rank_modules, router_load
 from megatron_bitdet.errors import BitdetError, BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_float
@@ -244,6 +244,7 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
     original = load_run(run_dir, "bitdet")
     if original.manifest is None:
         raise BitdetInputError(f"{run_dir}: no manifest.json (was the run made by bitdet train?)")
+    require_every_rank(original)  # every rank replays against its own lines
     have = set.intersection(*(set(original.steps(r)) for r in original.ranks))
     if step not in have:
         raise BitdetInputError(f"{run_dir}: step {step} is not in the original run on every rank "

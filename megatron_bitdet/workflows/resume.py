@@ -235,7 +235,8 @@ def run_reference(recipe, resume_at, *, nproc: int, run_dir, model_provider=None
 
 
 def _check_reference(reference_dir: Path, recipe, resume_at: list[int], nproc: int) -> None:
-    """A reused reference must be this recipe's run and hold a snapshot for every resume step and rank."""
+    """A reused reference must be this recipe's run, hold every rank's fingerprints (unbroken) and a
+    snapshot for every resume step and rank."""
     from megatron_bitdet.enforce.manifest import load_manifest
     manifest = load_manifest(reference_dir)
     if manifest["recipe_digest"] != recipe.digest():
@@ -244,7 +245,10 @@ def _check_reference(reference_dir: Path, recipe, resume_at: list[int], nproc: i
     if manifest["scope"].get("world_size") != nproc:
         raise BitdetInputError(f"{reference_dir}: the reference ran on {manifest['scope'].get('world_size')} "
                                f"ranks, not --nproc {nproc}")
+    from megatron_bitdet.analysis.fingerprints_io import load_run, require_every_rank
     from megatron_bitdet.train.snapshot import check_snapshots
+
+    require_every_rank(load_run(reference_dir, "bitdet"))  # every rank's file, whole, before any launch
 
     check_snapshots(reference_dir, resume_at, nproc, "rerun the reference with these resume points")
 
