@@ -146,6 +146,62 @@ def test_te_mamba_stack_spec_target_is_megatrons_spec_with_deterministic_experts
     assert at(audit.audit_spec(mamba_stack_spec), EXPERTS).runs == GROUPED_MLP
 
 
+def as_builders(node):
+    """A spec in megatron-core 0.17+'s shape: every ``ModuleSpec(module, params, submodules)`` below the
+    top becomes ``functools.partial(module, submodules=..., **params)``, as its layer specs now hold."""
+    import dataclasses
+    import functools
+
+    from megatron.core.transformer.spec_utils import ModuleSpec
+
+    if isinstance(node, ModuleSpec):
+        return functools.partial(node.module, submodules=as_builders(node.submodules), **node.params)
+    if dataclasses.is_dataclass(node) and not isinstance(node, type):
+        return dataclasses.replace(node, **{f.name: as_builders(getattr(node, f.name))
+                                            for f in dataclasses.fields(node) if f.init})
+    return node
+
+
+def test_partial_builders_are_walked_like_module_specs(audit, te_mamba_specs):
+    """The TE stand-in spec with every node a ``partial`` builder: the same positions, classes and
+    verdicts, its grouped experts reported as TE's, never clear."""
+    spec = te_mamba_specs.mamba_stack_spec
+    built = spec.__class__(module=spec.module, params=spec.params, submodules=as_builders(spec.submodules))
+    assert built.submodules.moe_layer.func.__name__ == "MoETransformerLayer"  # really partials now
+    assert [(f.position, f.runs, f.source) for f in audit.audit_spec(built)] == \
+        [(f.position, f.runs, f.source) for f in audit.audit_spec(spec)]
+    experts = at(audit.audit_spec(built), EXPERTS)
+    assert (experts.runs, experts.source) == (TE_GROUPED_MLP, "grouped_gemm_dprob_atomics")
+    assert audit.recipe_keys(built) == {"model.spec": "te", "model.moe.expert_impl": "te_grouped"}
+
+
+def test_a_spec_walk_finding_no_experts_is_an_error(audit):
+    """An MoE layer whose experts the walk cannot see, or a model with experts whose spec shows no
+    experts position (here its MoE layer is built by an opaque function), is refused, not passed."""
+    import dataclasses
+    import functools
+
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from megatron_bitdet.errors import BitdetError
+
+    def moe_builder(**kwargs):
+        return MoELayer(**kwargs)
+
+    layer = mamba_stack_spec.submodules.moe_layer
+    for mlp, num_moe_experts, where in (
+            (dataclasses.replace(layer.submodules.mlp, submodules=dataclasses.replace(
+                layer.submodules.mlp.submodules, experts=None)), None, r"MoE layer\(s\) at moe_layer.mlp:"),
+            (functools.partial(moe_builder), 4, "num_moe_experts=4")):
+        moe_layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
+        spec = dataclasses.replace(mamba_stack_spec, submodules=dataclasses.replace(
+            mamba_stack_spec.submodules, moe_layer=moe_layer))
+        with pytest.raises(BitdetError, match="the audit found no MoE experts position in .*" + where):
+            audit.audit_spec(spec, num_moe_experts=num_moe_experts)
+    assert not any(f.position == EXPERTS for f in audit.audit_spec(spec))  # without the count: nothing to hold it to
+
+
 def test_mem_eff_path_is_routed_to_the_split_path_the_swaps_reach():
     """Why 3: megatron's default use_mamba_mem_eff_path calls mamba_split_conv1d_scan_combined, whose
     own conv the causal_conv1d swap cannot reach; deterministic mode takes the split path, where it can."""

@@ -2,7 +2,10 @@
 from __future__ import annotations
 
 import ast
+import os
 import re
+import subprocess
+import sys
 import tomllib
 from importlib.metadata import version
 from pathlib import Path
@@ -11,7 +14,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from megatron_bitdet.compat.patching import load_declarations, parse_declaration
-from megatron_bitdet.compat.versions import MEGATRON_CORE, supports
+from megatron_bitdet.compat.versions import MEGATRON_CORE, describe, supports
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.recipe import load_recipe
 
@@ -39,7 +42,20 @@ def test_pyproject_pin_and_the_document_are_the_specifier():
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
     pins = [Requirement(d) for d in deps if Requirement(d).name == "megatron-core"]
     assert [p.specifier for p in pins] == [MEGATRON_CORE]
-    assert f"Supported megatron-core: `{MEGATRON_CORE}`" in DOC.read_text()
+    assert f"Supported megatron-core: `{describe()}`" in DOC.read_text()
+
+
+def test_a_megatron_core_outside_the_range_is_refused_at_start(tmp_path):
+    """A real distribution record of megatron-core 0.20.0 found first on the path: any command stops
+    before it runs (exit 2), naming the version found and the range."""
+    record = tmp_path / "megatron_core-0.20.0.dist-info"
+    record.mkdir()
+    (record / "METADATA").write_text("Metadata-Version: 2.1\nName: megatron-core\nVersion: 0.20.0\n")
+    done = subprocess.run([sys.executable, "-m", "megatron_bitdet", "recipe", "validate", "nemotron_h_tiny"],
+                          env={**os.environ, "PYTHONPATH": str(tmp_path)}, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert "megatron-core 0.20.0 is installed; megatron-bitdet supports megatron-core >=0.16.1,<0.20" in done.stderr
+    assert "Traceback" not in done.stderr
 
 
 def test_every_shipped_patch_reads_the_specifier():

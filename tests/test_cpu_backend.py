@@ -32,12 +32,15 @@ def test_install_does_nothing_when_cuda_is_present(monkeypatch):
     assert torch.cuda.current_device is current_device
 
 
-@pytest.mark.parametrize("found", ["0.17.0", "0.16.0"])
+@pytest.mark.parametrize("found", ["0.20.0", "0.16.0"])
 def test_unsupported_megatron_core_is_refused(monkeypatch, found):
+    from megatron_bitdet.compat import versions
+
     monkeypatch.setattr(seams, "_INSTALLED", [])
     monkeypatch.setattr(seams, "_EAGER", [])
-    monkeypatch.setattr(seams, "version", lambda dist: found if dist == "megatron-core" else "?")
-    with pytest.raises(BitdetError, match=rf"tested for megatron-core 0\.16\.1, found {found}"):
+    monkeypatch.setattr(versions, "version", lambda dist: found if dist == "megatron-core" else "?")
+    with pytest.raises(BitdetError, match=rf"megatron-core {found} is installed; megatron-bitdet supports "
+                                          r"megatron-core >=0\.16\.1,<0\.20"):
         cpu_backend.install()
     assert seams.installed() == []
 

@@ -236,6 +236,69 @@ def test_check_clean_line_exits_0(capsys):
     assert "OK " in capsys.readouterr().out
 
 
+def resumes(ckpt: Path) -> list[str]:
+    """The launch line saving into the folder it loads: every launch after the first resumes."""
+    return ["--save", str(ckpt), "--save-interval", "2", "--load", str(ckpt)]
+
+
+def test_a_resume_skipping_restored_state_is_refused_before_any_rank_unless_accepted(tmp_path, capsys):
+    """--no-load-optim on a line that resumes: --check exits 2 naming the flag and its fix; the launch exits 2
+    before any rank starts; --accept-skipped-restore passes it, recorded in the manifest as an opt-out; without
+    --load the flag skips nothing."""
+    line = [*MAMBA, *resumes(tmp_path / "ckpt"), "--no-load-optim"]
+    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *line]) == 2
+    out = capsys.readouterr().out
+    assert "[resume_skips_restore] the line resumes (--load) with --no-load-optim: the optimizer" in out
+    assert "fix: drop --no-load-optim (or accept it on purpose with --accept-skipped-restore)" in out
+    assert launch(tmp_path / "run", "pretrain_mamba.py", line) == 2
+    assert "[resume_skips_restore]" in capsys.readouterr().err and not (tmp_path / "run" / "logs").exists()
+    run = tmp_path / "accepted"
+    assert bitdet(["megatron-lm", "--check", "--run-dir", str(run), script("pretrain_mamba.py"), *line,
+                   "--accept-skipped-restore"]) == 0
+    [opt_out] = json.loads((run / "manifest.json").read_text())["rules"]["opt_outs"]
+    assert opt_out["id"] == "resume_skips_restore" and opt_out["where"] == "the launch line (--accept-skipped-restore)"
+    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, "--no-load-optim"]) == 0
+
+
+def test_a_typo_exits_2_before_any_rank_naming_the_flag_meant(tmp_path, capsys):
+    """The whole line is parsed by the script's own parser in the launcher first: one line naming the unknown
+    flag and the one meant, exit 2, no rank started (no log). Timed in CPU seconds of this process (the
+    preflight runs here), which the machine's load does not stretch."""
+    import time
+
+    start = time.process_time()
+    assert launch(tmp_path / "run", "pretrain_mamba.py", [*MAMBA, "--hiden-size", "64"]) == 2
+    assert time.process_time() - start < 10
+    assert capsys.readouterr().err.strip().splitlines()[-1] == \
+        "bitdet megatron-lm: error: the launch line: unknown flag --hiden-size (did you mean --hidden-size?)"
+    assert not (tmp_path / "run").exists()
+    assert launch(tmp_path / "run", "pretrain_mamba.py", [*MAMBA, "--hidden-size", "x"]) == 2
+    assert "the launch line: argument --hidden-size: invalid int value: 'x'" in capsys.readouterr().err
+
+
+def test_every_refusal_of_a_line_comes_in_one_report_megatrons_bare_assert_with_its_source_line(tmp_path, capsys):
+    """--save without --save-interval (Megatron's bare ``assert args.save_interval is not None``), a flag without
+    a deterministic path and a resume skipping its optimizer: one report, each named."""
+    line = [*MAMBA, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--no-load-optim",
+            "--cross-entropy-loss-fusion"]
+    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *line]) == 2
+    err = capsys.readouterr().err
+    assert re.search(r"validate_args refuses this launch line: megatron/training/arguments\.py:\d+: "
+                     r"assert args\.save_interval is not None\n", err), err
+    assert "[cross_entropy_loss_fusion] --cross-entropy-loss-fusion is set" in err
+    assert "[resume_skips_restore] the line resumes (--load) with --no-load-optim" in err
+
+
+def test_dp_invariant_reductions_are_refused_under_megatron_lms_loop(tmp_path, capsys):
+    """Fail closed: the Megatron-LM loop does not install DP-invariant reductions (a DP 2 run compared with a
+    DP 1 run diverged while --check passed it); the recipe asking for them is a violation naming the key."""
+    recipe = line_recipe(tmp_path / "dp.yaml", "{reductions: dp_invariant, virtual_dp: 1}")
+    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, "--recipe", str(recipe)]) == 2
+    out = capsys.readouterr().out
+    assert f"[reductions_not_installed] determinism.reductions is dp_invariant ({recipe}:4)" in out
+    assert "fix: set determinism.reductions: topology_invariant or native" in out
+
+
 def test_recipe_disagreeing_with_a_flag_is_refused_naming_both(tmp_path, capsys):
     recipe = tmp_path / "r.yaml"
     recipe.write_text("name: r\nmodel: {hybrid_pattern: 'M*-E', hidden_size: 128, ffn_hidden_size: 128,\n"
@@ -255,19 +318,25 @@ def last_json(captured) -> dict:
     return json.loads(out[out.rindex("\n{\n") + 1:] if not out.startswith("{\n") else out)
 
 
-def verify_resume(mamba_runs, out: Path, *extra: str) -> int:
+def verify_resume(mamba_runs, out: Path, *extra: str, line=MAMBA) -> int:
     runs, rcs = mamba_runs
     assert rcs["a"] == 0
     return bitdet(["verify-resume", "--megatron-lm", script("pretrain_mamba.py"), "--resume-at", "2", "--nproc", "2",
                    "--out", str(out), "--reference", str(runs["a"]), "--json", *extra,
-                   "--", *MAMBA])
+                   "--", *line])
 
 
 def test_verify_resume_holds_on_megatron_checkpoints_with_dropout_and_distopt(mamba_runs, tmp_path, capsys):
+    """The line as a production job writes it, resuming from its own folder with --no-load-optim: the
+    workflow drops those flags, each with a note, and its own chain holds."""
     capsys.readouterr()
-    rc = verify_resume(mamba_runs, tmp_path)
-    report = last_json(capsys.readouterr())
+    rc = verify_resume(mamba_runs, tmp_path, line=[*MAMBA, *resumes(tmp_path / "job"), "--no-load-optim"])
+    captured = capsys.readouterr()
+    report = last_json(captured)
     assert rc == 0 and report["holds"], report
+    for flag in ("--save", "--load", "--no-load-optim"):
+        assert f"[bitdet] note: verify-resume drops {flag} from the line" in captured.err
+    assert "drops --no-load-optim from the line: each launch restores everything its checkpoint holds" in captured.err
     components = {c["component"] for c in report["checks"]}
     assert {"parameters", "optimizer", "scheduler", "data", "rng.torch_cpu", "rng.tracker"} <= components
     assert all(c["equal"] for c in report["checks"]) and {c["rank"] for c in report["checks"]} == {0, 1}
@@ -277,6 +346,27 @@ def test_verify_resume_holds_on_megatron_checkpoints_with_dropout_and_distopt(ma
     snapshots = [p for d in (tmp_path, runs["a"]) for p in Path(d).rglob("*") if "snapshots" in p.parts and p.is_file()]
     assert snapshots and all(p.suffix == ".json" for p in snapshots), snapshots
     assert not list(tmp_path.glob("second_pass_*"))
+
+
+def test_a_wall_clock_stop_saves_and_the_same_line_resumes_bitwise(mamba_runs, tmp_path):
+    """--exit-duration-in-mins, as a job with a time limit sets it: after every step Megatron compares the
+    elapsed minutes with it (all-reduce MAX: every rank stops at the same step), saves and exits 0. Megatron
+    reads an int (0 disables it), so -1 stops at the first check, as a job's limit would at a later one. The
+    same line launched again resumes from that save: one step per launch, each byte for byte the
+    uninterrupted run's (run b); the manifest records the stop as wall-clock."""
+    runs, rcs = mamba_runs
+    assert rcs["b"] == 0
+    line = [*MAMBA, *resumes(tmp_path / "ckpt"), "--exit-duration-in-mins", "-1"]
+    launches = [tmp_path / f"launch{k}" for k in (1, 2)]
+    for run in launches:
+        assert launch(run, "pretrain_mamba.py", line) == 0
+    assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
+    for rank in (0, 1):
+        whole = (runs["b"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_text().splitlines()
+        assert [(run / "fingerprints" / f"rank_{rank:05d}.jsonl").read_text().splitlines() for run in launches] == \
+            [[whole[0]], [whole[1]]]
+    manifest = json.loads((launches[1] / "manifest.json").read_text())
+    assert manifest["megatron_lm"]["stop"] == ["wall_clock: --exit-duration-in-mins -1"]
 
 
 def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(mamba_runs, tmp_path, capsys):

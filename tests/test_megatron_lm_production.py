@@ -11,7 +11,7 @@ flag and the fix. Flags are combined onto as few launch lines as run together (e
   the virtual pipeline away: pretrain_mamba.py with it is a refusal test);
 - TP2 (pretrain_mamba.py): train.sh's TP 2 + sequence parallel + bf16 + the overlap pair without
   topology-invariant reductions;
-- ``--exit-duration-in-mins``: a refusal (a wall-clock stop).
+- the Mamba virtual pipeline: a refusal (megatron-core's MambaStack asserts it away inside the ranks).
 """
 from __future__ import annotations
 
@@ -216,15 +216,13 @@ def test_async_save_with_its_worker_is_a_row_of_what_this_machine_cannot_run(tmp
 
 @megatron_lm
 @pytest.mark.parametrize("name, line, flag, fix", [
-    ("pretrain_mamba.py", [*MAMBA, "--exit-duration-in-mins", "230"], "--exit-duration-in-mins 230",
-     "fix: drop it and stop with --exit-interval N"),
     ("pretrain_mamba.py", [*replace(MAMBA, "--expert-model-parallel-size", 1, []), "--pipeline-model-parallel-size",
                            "2", "--num-layers-per-virtual-pipeline-stage", "1"],
      "--num-layers-per-virtual-pipeline-stage", "fix: drop it (pretrain_gpt.py takes it)"),
-], ids=["exit_duration", "mamba_vpp"])
+], ids=["mamba_vpp"])
 def test_refused_before_any_rank_starts_naming_the_flag_and_the_fix(name, line, flag, fix, tmp_path, capsys):
-    """A wall-clock stop is not a function of the line; Megatron's MambaStack asserts the virtual
-    pipeline away inside the ranks: both exit 2 before any rank starts (--check too)."""
+    """Megatron's MambaStack asserts the virtual pipeline away inside the ranks: exit 2 before any rank
+    starts (--check too)."""
     assert bitdet(["megatron-lm", "--nproc", "2", "--run-dir", str(tmp_path / "run"), script(name), *line]) == 2
     err = capsys.readouterr().err
     assert flag in err and fix in err, err

@@ -5,7 +5,6 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
-import types
 from unittest.mock import NonCallableMock
 
 import pytest
@@ -13,6 +12,8 @@ import torch
 import yaml
 
 from megatron_bitdet.compat import cpu_backend
+from megatron_bitdet.compat.patching import verify
+from megatron_bitdet.compat.rebind import megatron_modules
 from megatron_bitdet.errors import BitdetError, BitdetInputError
 from megatron_bitdet.kernels import moe_aux
 from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP
@@ -21,6 +22,7 @@ from megatron_bitdet.compat.patching import (
     apply_patches,
     load_declaration,
     load_declarations,
+    megatron_core_version,
     patched,
     revert_patches,
     split_symbol,
@@ -31,8 +33,8 @@ cpu_backend.install()  # the Mamba mixer imports GPU-only modules without it
 from test_kernels_moe import megatron_1rank, moe_config  # noqa: E402,F401  (shared fixture)
 
 DECLS = load_declarations()
-SWAPS = [(d.id, s) for d in DECLS for s in d.swaps]
-TARGETS = [(d.id, t, s.optional_binding) for d, s in ((d, s) for d in DECLS for s in d.swaps) for t in s.targets]
+SWAPS = [(d.id, s) for d in DECLS for s in d.swaps if s.applies(megatron_core_version())]  # the installed version's
+TARGETS = [(pid, t, s.optional_binding) for pid, s in SWAPS for t in s.targets]
 _ABSENT = object()
 
 
@@ -45,8 +47,13 @@ def nothing_left_applied():
 
 
 def _current(symbol):
+    """The value bound now (a ``Class.attr`` target: the class's own attribute)."""
     module, attr = split_symbol(symbol)
-    return importlib.import_module(module).__dict__.get(attr, _ABSENT)
+    owner = importlib.import_module(module)
+    for part in attr.split(".")[:-1]:
+        owner = vars(owner)[part]
+    value = vars(owner).get(attr.split(".")[-1], _ABSENT)
+    return value.__func__ if isinstance(value, (staticmethod, classmethod)) else value
 
 
 def _resolve(symbol):
@@ -83,37 +90,16 @@ def test_target_exists_and_megatron_code_reads_it(pid, target, optional):
     callers): a megatron upgrade that moves the call site fails here."""
     module_name, attr = split_symbol(target)
     module = importlib.import_module(module_name)
+    if "." in attr:  # a class attribute: defined on that class, looked up by megatron code
+        cls_name, attr = attr.split(".")
+        assert attr in vars(vars(module)[cls_name]), f"{target} is gone from megatron-core"
+        assert any(attr in verify.module_reads(m, vars(vars(module)[cls_name])[attr]) for m in megatron_modules())
+        return
     if not optional:
         assert attr in module.__dict__, f"{target} is gone from megatron-core"
     value = module.__dict__.get(attr)
     defined_here = getattr(value, "__module__", None) == module_name and getattr(value, "__name__", None) == attr
-    assert defined_here or attr in _global_names(module), f"no code in {module_name} reads {attr!r} any more"
-
-
-def _global_names(module):
-    names, seen = set(), set()
-
-    def code_names(code):
-        names.update(code.co_names)
-        for const in code.co_consts:
-            if isinstance(const, types.CodeType):
-                code_names(const)
-
-    def visit(obj):
-        if id(obj) in seen:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, (staticmethod, classmethod)):
-            obj = obj.__func__
-        if isinstance(obj, types.FunctionType) and obj.__module__ == module.__name__:
-            code_names(obj.__code__)
-        elif isinstance(obj, type) and obj.__module__ == module.__name__:
-            for member in vars(obj).values():
-                visit(member)
-
-    for value in list(vars(module).values()):
-        visit(value)
-    return names
+    assert defined_here or attr in verify.module_reads(module), f"no code in {module_name} reads {attr!r} any more"
 
 
 def _import_megatron_modules():
@@ -201,21 +187,34 @@ def _pg():
 
 
 def test_aux_tracker_reduction_reaches_the_rank_ordered_version(megatron_1rank, monkeypatch):
+    """What Megatron-LM's training_log calls to reduce the aux losses (``track_moe_metrics`` before 0.18,
+    ``get_moe_metrics_tracker().report`` after) reaches the rank-ordered sums, and only when swapped."""
     from megatron.core.transformer.moe import moe_utils
 
     calls = []
-    real = moe_aux.reduce_aux_losses_tracker_across_ranks
+    real = moe_aux.rank_ordered_sum
 
-    def counting(*args, **kwargs):
-        calls.append(args)
-        return real(*args, **kwargs)
+    def counting(tensor, group=None):
+        calls.append(tensor.clone())
+        return real(tensor, group)
 
-    monkeypatch.setattr(moe_aux, "reduce_aux_losses_tracker_across_ranks", counting)  # our module, not megatron's
-    with patched(load_declarations(ids=["moe_aux_loss"])):
+    monkeypatch.setattr(moe_aux, "rank_ordered_sum", counting)  # our module, not megatron's
+
+    def logged():
         moe_utils.save_to_aux_losses_tracker("load_balancing_loss", torch.tensor(0.75), 1, 1)
         totals = {}
-        moe_utils.track_moe_metrics(loss_scale=1.0, iteration=1, total_loss_dict=totals, num_layers=1)
-    assert len(calls) == 1 and totals["load_balancing_loss"].item() == 0.75
+        try:
+            from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+        except ImportError:
+            moe_utils.track_moe_metrics(loss_scale=1.0, iteration=1, total_loss_dict=totals, num_layers=1)
+        else:
+            get_moe_metrics_tracker().report(loss_scale=1.0, iteration=1, total_loss_dict=totals, num_layers=1)
+        return totals["load_balancing_loss"].item()
+
+    assert logged() == 0.75 and calls == []
+    with patched(load_declarations(ids=["moe_aux_loss"])):
+        assert logged() == 0.75
+    assert calls and calls[0].tolist() == [0.75]
 
 
 def test_spec_providers_hand_out_the_grouped_experts():

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import sys
 
+from megatron_bitdet.compat.versions import require_supported
 from megatron_bitdet.errors import BitdetError
 
 # module name -> one-line summary (kept here so `bitdet --help` needs no heavy imports)
@@ -49,6 +50,7 @@ def main(argv=None) -> int:
         parser.print_help()
         return 2
     try:
+        require_supported()  # every subcommand reads runs or drives megatron-core of the supported range
         return int(args.func(args) or 0)
     except BitdetError as exc:
         print(f"bitdet {args.command}: error: {exc}", file=sys.stderr)

@@ -14,13 +14,14 @@ from contextlib import contextmanager
 _MODULES: list = [-1, []]  # (len(sys.modules) when last scanned, the megatron.core modules then)
 
 
-def megatron_modules() -> list:
+def megatron_modules(fresh: bool = False) -> list:
     """Every imported ``megatron.core`` module. The tracer asks once per traced step, in the middle of
     training: the scan of sys.modules is redone only when its length changed (an import adds a key).
     Comparing its keys instead cost ~0.3 ms a step there (every key touched, in cold memory); a module
-    replaced in place, or one imported while another is removed, is found at the next change."""
+    replaced in place, or one imported while another is removed, is found at the next change, or now
+    with ``fresh`` (what a patch's verification asks)."""
     n = len(sys.modules)
-    if n != _MODULES[0]:
+    if fresh or n != _MODULES[0]:
         _MODULES[:] = n, [m for k, m in list(sys.modules.items()) if k.startswith("megatron.core") and m is not None]
     return list(_MODULES[1])
 

@@ -1,8 +1,10 @@
 """Judge what will run, not the flag that asked for it.
 
 megatron's ``ModuleSpec`` tree is data: :func:`walk_spec` names the module class at every position before
-anything is built, and :func:`walk_built` names the class of every built module together with the kernel
-functions a Mamba mixer's forward and backward call (the module globals ``megatron.core.ssm.mamba_mixer``
+anything is built (a ``functools.partial`` builder too: megatron-core 0.17+ layer specs hold
+``partial(Module, submodules=...)`` where 0.16 held ``ModuleSpec(module, submodules)``; a spec with MoE
+layers whose experts the walk cannot find is refused), and :func:`walk_built` names the class of every
+built module together with the kernel functions a Mamba mixer's forward and backward call (the module globals ``megatron.core.ssm.mamba_mixer``
 binds, read as they are when the step runs: a swap's patch included). Both match what they find against
 the ``implementations`` of the catalog of known sources (``catalog/known_sources.yaml``): a match is a
 known nondeterministic implementation, and the rules judge it (``Facts.runs``) whatever the flags say.
@@ -19,6 +21,8 @@ import functools
 import importlib
 import sys
 from dataclasses import dataclass
+
+from megatron_bitdet.errors import BitdetError
 
 # the rule judging each kind of position: experts, attention core, the Mamba mixer's conv and scan calls
 SLOT_RULES = {"experts": ("te_grouped_gemm",), "core_attention": ("te_attention_nondeterministic", "flash_attention"),
@@ -70,6 +74,10 @@ def walk_spec(node, path: str = ""):
         if path:
             yield path, node.module
         yield from walk_spec(node.submodules, path)
+    elif isinstance(node, functools.partial):  # a builder: what it builds, then its submodules
+        if path:
+            yield path, built_by(node)
+        yield from walk_spec(node.keywords.get("submodules"), path)
     elif dataclasses.is_dataclass(node) and not isinstance(node, type):
         for f in dataclasses.fields(node):
             yield from walk_spec(getattr(node, f.name), _join(path, f.name))
@@ -78,6 +86,14 @@ def walk_spec(node, path: str = ""):
             yield from walk_spec(child, _join(path, i))
     elif node is not None and path:
         yield path, node
+
+
+def built_by(builder: functools.partial):
+    """The class a ``partial`` builder builds: its function, or the class of a bound class method
+    (``partial(MLP.as_mlp_submodule, ...)``); a plain builder function is named as itself."""
+    func = builder.func
+    owner = getattr(func, "__self__", None)
+    return owner if isinstance(owner, type) else func
 
 
 def name_of(obj) -> str:
@@ -154,17 +170,31 @@ def _source_by_name(symbol: str) -> str | None:
     return next((entry for known, _, entry in _known() if known == symbol), None)
 
 
-def audit_spec(spec, *, mem_eff_path: bool = True) -> list[Finding]:
-    """What the spec will build at each judged position, and what its Mamba mixers will call."""
+def audit_spec(spec, *, mem_eff_path: bool = True, num_moe_experts: int | None = None) -> list[Finding]:
+    """What the spec will build at each judged position, and what its Mamba mixers will call. A spec with
+    an MoE layer, or walked for a model with experts (``num_moe_experts``), in which no experts position
+    is found is refused: the experts are held where the walk cannot see, never reported clear."""
     from megatron.core.ssm.mamba_mixer import MambaMixer
+    from megatron.core.transformer.moe.moe_layer import BaseMoELayer
 
-    out = []
+    out, moe_layers = [], []
     for position, obj in walk_spec(spec):
         if _slot(position):
             out.append(Finding(position, name_of(obj), source_of(obj)))
         if isinstance(obj, type) and issubclass(obj, MambaMixer):
             out += mixer_calls(position, mem_eff_path)
+        if isinstance(obj, type) and issubclass(obj, BaseMoELayer):
+            moe_layers.append(position)
+    _require_experts(out, f"a spec with MoE layer(s) at {', '.join(moe_layers)}" if moe_layers else
+                     f"a spec for a model with num_moe_experts={num_moe_experts}" if num_moe_experts else None)
     return out
+
+
+def _require_experts(findings, walked: str | None) -> None:
+    """``walked`` (what was walked, when it has experts) without an experts position is an error."""
+    if walked and not any(_slot(f.position) == "experts" for f in findings):
+        raise BitdetError(f"the audit found no MoE experts position in {walked}: what builds the experts "
+                          "is held where the walk cannot see, so it cannot be judged (never reported clear)")
 
 
 def walk_built(modules) -> list[Finding]:

@@ -197,16 +197,45 @@ def reduce_aux_losses_tracker_across_ranks(track_names: Optional[List[str]] = No
     else:
         pp_group, dp_group = pg_collection.pp, pg_collection.dp
 
-    def average(values, group):
-        return rank_ordered_sum(values, group) / dist.get_world_size(group)
-
     for name in tracker.keys() if track_names is None else track_names:
         entry = tracker[name]
         values = rank_ordered_sum(entry["values"], pp_group)
         if entry.get("reduce_group") is not None:
             values = rank_ordered_sum(values, entry["reduce_group"])
             if not entry.get("reduce_group_has_dp", False):
-                values = average(values, dp_group)
+                values = rank_ordered_mean(values, dp_group)
         if entry.get("avg_group") is not None:
-            values = average(values, entry["avg_group"])
+            values = rank_ordered_mean(values, entry["avg_group"])
         entry["values"].copy_(values)
+
+
+def rank_ordered_mean(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """The rank-ordered sum divided by the group size (megatron's ReduceOp.AVG, in one order)."""
+    return rank_ordered_sum(tensor, group) / (dist.get_world_size(group) if dist.is_initialized() else 1)
+
+
+def sync_metrics(self, metric_names, pg_collection=None) -> None:
+    """``MoEMetricsTracker._sync_metrics`` (megatron-core 0.18+, what ``report`` and the deprecated
+    module functions call) with rank-ordered sums: PP sum, reduce-group sum, avg-group mean, DP mean."""
+    from megatron.core import parallel_state
+
+    if pg_collection is None:
+        pp_group, dp_group = parallel_state.get_pipeline_model_parallel_group(), None
+    elif hasattr(pg_collection, "dp_cp_gtp_remat"):  # 0.19: the gtp_remat-inclusive group, if it is set
+        pp_group, dp_group = pg_collection.pp, pg_collection.dp_cp_gtp_remat
+    else:  # 0.18: the collection's DP group
+        pp_group, dp_group = pg_collection.pp, pg_collection.dp
+    if dp_group is None:
+        dp_group = parallel_state.get_data_parallel_group(with_context_parallel=False, partial_data_parallel=False)
+    for name in metric_names:
+        entry = self.metrics.get(name)
+        if entry is None:
+            continue
+        values = rank_ordered_sum(entry.values, pp_group)
+        if entry.reduce_group is not None:
+            values = rank_ordered_sum(values, entry.reduce_group)
+        if entry.avg_group is not None:
+            values = rank_ordered_mean(values, entry.avg_group)
+        if entry.needs_dp_avg:
+            values = rank_ordered_mean(values, dp_group)
+        entry.values.copy_(values)

@@ -99,7 +99,7 @@ def run(script: str, rest: list[str], *, check: bool = False, world_size: int | 
     ``world_size``: a ``--check``'s world (the launch's ``--nproc``), where the environment does not say it.
     ``preflight``: judge the line as its ranks will, before they start (``judging.preflight``)."""
     from megatron_bitdet.megatron_lm import loop_hooks
-    from megatron_bitdet.megatron_lm.judging import CheckDone
+    from megatron_bitdet.megatron_lm.judging import CheckDone, parse_line
 
     opts = preparse(rest)
     base = load_base_recipe(opts)
@@ -115,6 +115,7 @@ def run(script: str, rest: list[str], *, check: bool = False, world_size: int | 
         from megatron_bitdet.compat.cpu_backend import training as training_seams
 
         training_seams.install()
+    parse_line(rest, strict=False)  # a bad value: one line, before the script's first parse exits with a usage dump
     session = loop_hooks.Session(script=script, argv=[script, *rest], base=base, opts=opts, check=check,
                                  world_size=world_size, preflight=preflight)
     loop_hooks.install(session)

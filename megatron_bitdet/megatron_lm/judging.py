@@ -78,6 +78,7 @@ def judge(session, args):
     from megatron_bitdet.enforce.megatron import MEGATRON_LM_ASSERTS
     from megatron_bitdet.enforce.rules import RULES_BY_ID
     from megatron_bitdet.megatron_lm.fixes import in_flags
+    from megatron_bitdet.megatron_lm.line_rules import line_judgement
 
     spec = launch_spec(args)
     recipe = derive_recipe(session, args, recipe_keys(spec) if spec is not None else None)
@@ -91,7 +92,10 @@ def judge(session, args):
                              RULES_BY_ID[o["id"]].why, RULES_BY_ID[o["id"]].fix)
                    for o in outcome.opt_outs if o["id"] in MEGATRON_LM_ASSERTS]
     violations = in_flags(violations, args, recipe_given=session.base is not None)
-    return recipe, (settings, outcome, violations, warnings)
+    line_violations, line_opt_outs = line_judgement(args, recipe)
+    outcome.opt_outs += line_opt_outs
+    warnings += [f"opt-out [{o['id']}] at {o['where']}: {o['message']} ({o['why']})" for o in line_opt_outs]
+    return recipe, (settings, outcome, violations + line_violations, warnings)
 
 
 def swap_spec(recipe, args, outcome, *, in_place: bool, config) -> None:
@@ -133,26 +137,98 @@ def machine_rows(session, recipe, config):
     return missing(config, launch_spec(config), os.path.basename(session.script), recipe.model.hybrid_pattern)
 
 
+class _RefusingParser(argparse.ArgumentParser):
+    """Megatron's parser whose errors are bad input (one line, exit 2) instead of a usage dump and an exit."""
+
+    def error(self, message):
+        raise BitdetInputError(f"the launch line: {message}")
+
+
+def parse_line(argv, extra_args_provider=None, *, strict: bool = True):
+    """``argv`` parsed by Megatron's parser with bitdet's options (and the script's ``extra_args_provider``)
+    chained in, refusing instead of exiting: a bad value, or with ``strict`` an unknown flag (with the one
+    meant, where one is close), is one line of bad input. Not ``strict``: flags the script's own provider
+    adds are left alone (checked before the script runs: Megatron's in-process-restart wrapper parses the
+    line at the script's start, exiting on a bad value with a usage dump)."""
+    import difflib
+
+    from megatron.training.arguments import add_megatron_arguments
+
+    parser = chain(extra_args_provider)(add_megatron_arguments(_RefusingParser(allow_abbrev=False)))
+    _, unknown = parser.parse_known_args(argv)
+    if unknown and strict:
+        flags = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
+        named = [f + "".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(f, parser._option_string_actions,
+                                                                                       n=1))
+                 for f in flags]
+        raise BitdetInputError(f"the launch line: unknown flag{'s' * (len(flags) > 1)} {', '.join(named)}" if flags
+                               else f"the launch line: unexpected value{'s' * (len(unknown) > 1)} {' '.join(unknown)}")
+
+
 def parsed(extra_args_provider):
-    """The launch line parsed by the script's parser (bitdet's options chained in)."""
+    """The launch line parsed by the script's parser (bitdet's options chained in), after ``parse_line``."""
     from megatron.training.arguments import parse_args
 
+    parse_line(sys.argv[1:], extra_args_provider)
     return parse_args(chain(extra_args_provider), ignore_unknown_args=False)
+
+
+def flag_violations(session, args) -> list:
+    """The determinism violations a line's flags alone decide (resolved as ``enable`` resolves them), for a line
+    Megatron refused before deriving what the rules judge; and the line's own (``line_rules``)."""
+    import copy
+
+    from megatron_bitdet.enforce import apply_to_megatron_args
+    from megatron_bitdet.megatron_lm.fixes import in_flags
+    from megatron_bitdet.megatron_lm.line_rules import line_judgement
+
+    if not args.deterministic_mode and not session.check:
+        return []
+    try:
+        apply_to_megatron_args(copy.copy(args), session.base)
+        found = []
+    except DeterminismViolation as exc:
+        found = in_flags(exc.violations, args, recipe_given=session.base is not None)
+    return found + line_judgement(args, session.base)[0]
+
+
+def refused(problems, violations=(), rows=()) -> BitdetInputError:
+    """Every refusal of a line in one report: Megatron's own and the unsupported flags, the determinism
+    violations, what this machine cannot run."""
+    from megatron_bitdet.megatron_lm.machine import section
+
+    return BitdetInputError("\n".join([*problems, *([str(DeterminismViolation(violations))] if violations else []),
+                                       *([section(rows)] if rows else [])]))
 
 
 def judge_line(session, args, validate_args, defaults=None):
     """The parsed ``args`` validated as Megatron does (a copy; ``validate_args``: Megatron's original,
     unwrapped) and judged: (validated args, recipe, judged, config, rows); ``config``: the flags as
-    ``loop_hooks.on_validate`` leaves them for the model config; ``rows``: what this machine cannot run of it."""
+    ``loop_hooks.on_validate`` leaves them for the model config; ``rows``: what this machine cannot run of it.
+    A line refused as input (by Megatron's validate_args, an unsupported flag, a recipe disagreeing with it)
+    raises one BitdetInputError listing that with everything else judged of it."""
     from megatron_bitdet.enforce import megatron_overrides
-    from megatron_bitdet.megatron_lm.validate import refuse_unsupported, validated
+    from megatron_bitdet.megatron_lm.validate import unsupported, validated
 
-    args = validated(args, validate_args, defaults, world_size=session.world_size)
-    refuse_unsupported(args, os.path.basename(session.script))
-    recipe, judged = judge(session, args)
+    problems = []
+    try:
+        checked = validated(args, validate_args, defaults, world_size=session.world_size)
+    except BitdetInputError as exc:
+        problems.append(str(exc))
+        checked = None
+    problems += unsupported(checked or args, os.path.basename(session.script))
+    if checked is None:
+        raise refused(problems, flag_violations(session, args))
+    try:
+        recipe, judged = judge(session, checked)
+    except BitdetInputError as exc:
+        raise refused([*problems, str(exc)], flag_violations(session, checked)) from None
     overrides = megatron_overrides(recipe) if judged is not None and not judged[2] else {}
-    config = argparse.Namespace(**{**vars(args), **overrides})
-    return args, recipe, judged, config, machine_rows(session, recipe, config)
+    config = argparse.Namespace(**{**vars(checked), **overrides})
+    rows = machine_rows(session, recipe, config)
+    if problems:
+        raise refused(problems, judged[2] if judged is not None else (), rows)
+    return checked, recipe, judged, config, rows
 
 
 def check_launch(session, extra_args_provider, validate_args, defaults=None) -> int:
@@ -199,11 +275,13 @@ def launch_manifest(session, enforcement, args, *, check: bool = False) -> dict:
     from megatron_bitdet.compat import cpu_backend
     from megatron_bitdet.compat.cpu_backend import training as training_seams
     from megatron_bitdet.enforce import build_manifest
+    from megatron_bitdet.megatron_lm.line_rules import stop_conditions
 
     return build_manifest(
         session.recipe, enforcement, world_size=args.world_size, argv=session.argv,
         extra={"patches": session.patches, "cpu_backend_seams": cpu_backend.installed() + training_seams.installed(),
-               "megatron_lm": {"script": session.script, "check": check, "spec_family": session.recipe.model.spec},
+               "megatron_lm": {"script": session.script, "check": check, "spec_family": session.recipe.model.spec,
+                               "stop": stop_conditions(args)},
                "trace": None if session.trace is None else session.trace.to_json()},
     )
 

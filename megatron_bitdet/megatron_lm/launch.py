@@ -4,15 +4,24 @@ from __future__ import annotations
 import os
 import sys
 
-from megatron_bitdet.errors import BitdetError
+from megatron_bitdet.errors import BitdetError, BitdetInputError
+from megatron_bitdet.megatron_lm.line_rules import RESTORE_FLAGS, RESTORE_SWITCHES
 
+# how a launch stops besides its schedule: a re-run or a workflow stops where it says instead (a fixed length)
+_STOP_FLAGS = ("--exit-interval", "--exit-duration-in-mins", "--exit-signal-handler", "--exit-signal")
 # a re-run writes into its own run directory only: the original's outputs and tracing are not carried over
 # (a name ending in "-" is a prefix: every --wandb-* flag); what it loads stays (a resumed run re-runs resumed)
 _OUTPUT_FLAGS = ("--run-dir", "--snapshot-at", "--snapshot-full", "--trace", "--trace-steps", "--trace-ranks",
                  "--trace-hash", "--trace-capture", "--save", "--save-interval", "--persistent-save-interval",
-                 "--exit-interval", "--exit-duration-in-mins", "--tensorboard-dir", "--wandb-")
-# a workflow that chains fresh launches (verify-resume, prove) also sets what each one loads
-_WORKFLOW_FLAGS = (*_OUTPUT_FLAGS, "--load", "--ckpt-step")
+                 *_STOP_FLAGS, "--tensorboard-dir", "--wandb-")
+# a workflow that chains fresh launches (verify-resume, prove) also sets what each one loads, and restores
+# everything it saved (the restore-skipping flags of line_rules go)
+_WORKFLOW_FLAGS = (*_OUTPUT_FLAGS, "--load", "--ckpt-step", *(flag for _, _, flag, _, _ in RESTORE_FLAGS),
+                   "--accept-skipped-restore")
+# flags of those that take no value
+_SWITCHES = ("--exit-signal-handler", "--accept-skipped-restore", *RESTORE_SWITCHES)
+_NOTES = {**{flag: "each launch restores everything its checkpoint holds" for _, _, flag, _, _ in RESTORE_FLAGS},
+          **{flag: "each launch stops where the workflow says (a fixed length)" for flag in _STOP_FLAGS}}
 
 
 def _named(name: str, flags) -> bool:
@@ -20,14 +29,16 @@ def _named(name: str, flags) -> bool:
 
 
 def pasted(megatron_args: list, workflow: str) -> list[str]:
-    """A pasted production line for a workflow that sets each launch's outputs and loads itself
-    (verify-resume, prove): its output flags (checkpoints, what it loads, TensorBoard, W&B, exit interval,
-    run directory) are dropped, each with a one-line note on stderr, never refused."""
+    """A pasted production line for a workflow that sets each launch's outputs, loads and length itself
+    (verify-resume, prove): its output flags (checkpoints, what it loads, TensorBoard, W&B, run directory),
+    its stop conditions (``--exit-interval``, a wall-clock or signal stop) and the flags that skip restored
+    state (``line_rules.RESTORE_FLAGS``) are dropped, each with a one-line note on stderr, never refused."""
     kept = rerun_args(megatron_args, drop=_WORKFLOW_FLAGS)
     names = [a.split("=", 1)[0] for a in megatron_args if a.startswith("--")]
     for flag in dict.fromkeys(n for n in names if _named(n, _WORKFLOW_FLAGS)):
-        print(f"[bitdet] note: {workflow} drops {flag} from the line: each launch writes its own outputs "
-              f"(run directory, checkpoints) where the workflow says", file=sys.stderr, flush=True)
+        why = _NOTES.get(flag, "each launch writes its own outputs (run directory, checkpoints) where the workflow "
+                               "says")
+        print(f"[bitdet] note: {workflow} drops {flag} from the line: {why}", file=sys.stderr, flush=True)
     return kept
 
 
@@ -44,12 +55,16 @@ def preflight(script: str, megatron_args: list, *, nproc: int) -> None:
 
     if under_torchrun():
         return
-    argv = sys.argv
+    argv, err = sys.argv, io.StringIO()
     try:
-        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
-            entry.run(script, rerun_args(megatron_args, drop=("--run-dir",)), world_size=nproc, preflight=True)
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            rc = entry.run(script, rerun_args(megatron_args, drop=("--run-dir",)), world_size=nproc, preflight=True)
     finally:
         sys.argv = argv
+    if rc != 0:  # the script exited before its pretrain() call judged the line
+        last = next((line for line in reversed(err.getvalue().splitlines()) if line.strip()), "")
+        raise BitdetInputError(f"no rank started: {os.path.basename(script)} exited with code {rc} before its "
+                               f"launch line was judged" + (f": {last.strip()}" if last else ""))
 
 
 def launch_line(script: str, megatron_args: list, *, nproc: int, run_dir=None, worker: str | None = None,
@@ -101,7 +116,7 @@ def rerun_args(megatron_args: list, *, stop_at: int | None = None, trace=None,
             continue
         name = arg.split("=", 1)[0]
         if arg.startswith("--") and _named(name, drop):
-            skip = "=" not in arg
+            skip = "=" not in arg and name not in _SWITCHES
             continue
         out.append(arg)
     if stop_at is not None:

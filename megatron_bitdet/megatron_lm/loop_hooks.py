@@ -104,10 +104,11 @@ def on_validate(session, args, defaults=None) -> None:
     manifest (written once Megatron's own validate_args accepted the real args)."""
     from megatron_bitdet.compat import patching
     from megatron_bitdet.enforce import Enforcement, enable, megatron_overrides
+    from megatron_bitdet.megatron_lm.line_rules import line_judgement
     from megatron_bitdet.megatron_lm.machine import section
 
     session.rank = args.rank
-    _, recipe, judged, _, rows = judge_line(session, args, _ORIGINALS["validate_args"], defaults)
+    checked, recipe, judged, _, rows = judge_line(session, args, _ORIGINALS["validate_args"], defaults)
     session.recipe = recipe
     if judged is not None and judged[2]:
         raise DeterminismViolation(judged[2])
@@ -120,6 +121,7 @@ def on_validate(session, args, defaults=None) -> None:
                                   warnings=["--deterministic-mode not given: nothing enforced"])
     else:
         enforcement = enable(recipe, rank=args.rank, world_size=args.world_size)
+        enforcement.rules.opt_outs += line_judgement(checked, recipe)[1]  # the line's own, accepted on it
         for name, value in megatron_overrides(recipe).items():
             setattr(args, name, value)  # core_transformer_config_from_args copies every config field args has
     session.enforcement = enforcement

@@ -38,6 +38,9 @@ def add_entry_args(parser):
     group.add_argument("--snapshot-full", default=None, metavar="all|FILE", type=selection,
                        help="snapshots also keep these tensors in full: all, or a selection file (verify-resume's "
                             "second pass)")
+    group.add_argument("--accept-skipped-restore", action="store_true",
+                       help="accept a resume that skips restored state on purpose (--no-load-optim, --no-load-rng, "
+                            "--finetune, ...; rule resume_skips_restore), recorded in the manifest as an opt-out")
     add_trace_args(parser)
     return parser
 

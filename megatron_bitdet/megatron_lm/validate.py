@@ -16,6 +16,8 @@ from __future__ import annotations
 import contextlib
 import copy
 import io
+import os
+import traceback
 import warnings
 
 from megatron_bitdet.enforce.megatron import MEGATRON_FLAG_RULES
@@ -37,32 +39,34 @@ def validated(args, validate_args, defaults=None, *, world_size: int | None = No
         try:
             validate_args(probe, defaults or {})
         except (AssertionError, ValueError, RuntimeError, TypeError) as exc:
-            raise BitdetInputError(f"Megatron-LM's validate_args refuses this launch line: "
-                                   f"{exc or type(exc).__name__}") from None
+            raise BitdetInputError(f"Megatron-LM's validate_args refuses this launch line: {refusal(exc)}") from None
     vars(probe).update(given)
     return probe
 
 
-def refuse_unsupported(args, script: str) -> None:
+def refusal(exc: BaseException) -> str:
+    """Megatron's message and where it was raised; for a bare ``assert`` (no message) the asserted source line:
+    ``megatron/training/arguments.py:1234: assert args.save_interval is not None``."""
+    frame = traceback.extract_tb(exc.__traceback__)[-1]
+    path = frame.filename.replace(os.sep, "/")
+    where = f"{path[path.rindex('megatron/'):] if 'megatron/' in path else path}:{frame.lineno}"
+    message = str(exc).strip()
+    return f"{message} ({where})" if message else f"{where}: {frame.line or type(exc).__name__}"
+
+
+def unsupported(args, script: str) -> list[str]:
     """Production flags bitdet cannot hold to its guarantees (or Megatron cannot build), refused before any
-    rank starts (exit 2), each naming the flag and the fix, every one at once:
-    ``--exit-duration-in-mins`` stops at a wall-clock time, so where a launch stops (and what it saves) is
-    not a function of the line; megatron-core's ``MambaStack`` asserts the virtual pipeline away, and its
-    ``MambaMixer`` the head / group counts that do not divide (``_mamba_heads``)."""
+    rank starts (exit 2), each naming the flag and the fix, every one at once: megatron-core's ``MambaStack``
+    asserts the virtual pipeline away, and its ``MambaMixer`` the head / group counts that do not divide
+    (``_mamba_heads``)."""
     problems = []
-    if getattr(args, "exit_duration_in_mins", None):
-        problems.append(f"--exit-duration-in-mins {args.exit_duration_in_mins}: stops at a wall-clock time, so the "
-                        "step a launch stops at is not a function of the line (twins and resume chains could not "
-                        "be compared step for step); fix: drop it and stop with --exit-interval N (Megatron saves "
-                        "there with --save; --load resumes bitwise)")
     if script == "pretrain_mamba.py" and getattr(args, "virtual_pipeline_model_parallel_size", None):
         problems.append("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: "
                         "megatron-core's MambaStack asserts 'The Mamba hybrid model does not currently support "
                         "virtual/interleaved pipeline parallelism'; fix: drop it (pretrain_gpt.py takes it)")
     if script == "pretrain_mamba.py":
         problems += _mamba_heads(args)
-    if problems:
-        raise BitdetInputError("; ".join(problems))
+    return problems
 
 
 def _mamba_heads(args) -> list[str]:

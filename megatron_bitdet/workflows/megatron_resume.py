@@ -3,7 +3,9 @@ script (``--save`` / ``--load --ckpt-step`` / ``--exit-interval``), each restore
 with the uninterrupted run's live state, every later step's fingerprints with its.
 
 A skipped restore is Megatron-LM's own flag, passed to every resumed segment (``--no-load-rng``,
-``--no-load-optim``): what a user would get wrong, caught by name and first divergent step.
+``--no-load-optim``, with ``--accept-skipped-restore``: a plain launch refuses it): what a user would get
+wrong, caught by name and first divergent step. The line's own such flags are dropped with a note
+(``launch.pasted``).
 """
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from pathlib import Path
 from megatron_bitdet.workflows.resume import ResumeReport, check_resume_at, run_chain
 from megatron_bitdet.rundir import fresh
 from megatron_bitdet.errors import BitdetInputError
+from megatron_bitdet.megatron_lm.line_rules import ACCEPT_FLAG
 
 SKIPPABLE = {"rng": "--no-load-rng", "optimizer": "--no-load-optim"}
 
@@ -119,7 +122,7 @@ def verify_megatron_resume(script: str, megatron_args: list, resume_at, *, nproc
             argv += keep_all if load_from is not None else []
         if load_from is not None:
             argv += ["--load", str(load_from / "checkpoints"), "--ckpt-step", str(start),
-                     "--snapshot-at", str(start), *faults]
+                     "--snapshot-at", str(start), *faults, *([ACCEPT_FLAG] if faults else [])]
         what = f"segment {start}->{stop}" + (" (second pass)" if full is not None else "")
         launch_or_fail(script, argv, nproc=nproc, run_dir=run_dir, what=what)
 

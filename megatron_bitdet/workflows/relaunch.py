@@ -148,6 +148,10 @@ def relaunch(spec: RelaunchSpec, run_dir, *, stop_at: int | None = None, trace=N
         if load is not None:
             line = rerun_args(line, drop=("--load", "--ckpt-step")) + ["--load", str(load[0]), "--ckpt-step",
                                                                        str(load[1])]
+        for flag in dict.fromkeys(a for a in line if a in ("--exit-duration-in-mins", "--exit-signal-handler")):
+            print(f"[bitdet] note: the re-run drops {flag} from the line: it stops "
+                  f"{'at the end of its schedule' if stop_at is None else f'after iteration {stop_at}'}",
+                  file=sys.stderr, flush=True)
         return launch_line(spec.script, rerun_args(line, stop_at=stop_at, trace=trace), nproc=spec.nproc,
                            run_dir=run_dir, worker=worker, worker_args=worker_args)
     from megatron_bitdet.train.run import RunOptions, launch_training

@@ -14,12 +14,11 @@ import sys
 import textwrap
 import types
 import time
-from importlib.metadata import version
 
 import torch
 
 from megatron_bitdet.compat.rebind import rebind
-from megatron_bitdet.compat.versions import MEGATRON_CORE, describe, supports
+from megatron_bitdet.compat.versions import require_supported
 from megatron_bitdet.errors import BitdetError
 
 _INSTALLED: list[str] = []
@@ -60,13 +59,7 @@ def install(*, force: bool = False) -> list[str]:
     """Fill every seam if CUDA is unavailable; idempotent. Returns the seams filled."""
     if _INSTALLED or (torch.cuda.is_available() and not force):
         return installed()
-    mcore = version("megatron-core")
-    if not supports(mcore):
-        raise BitdetError(
-            f"the CPU backend was written and tested for megatron-core {describe()}, "
-            f"found {mcore}: its seams may have moved. Install 'megatron-core{MEGATRON_CORE}' "
-            "or run on a GPU (where the CPU backend is not used)."
-        )
+    require_supported()  # the seams name megatron-core internals of the supported range only
     for seam in SEAMS:
         seam()
         _INSTALLED.append(seam.__name__)

@@ -1,7 +1,10 @@
 """Patch declarations: each swap of a megatron-core symbol is data in ``patches/<id>.yaml``.
 
 A declaration names every *binding* a swap must reach: ``from m import f`` copies ``f`` into the
-importing module, so patching ``m.f`` alone misses that caller. Schema (all keys required unless
+importing module, so patching ``m.f`` alone misses that caller (``verify`` refuses, at apply time, a
+declaration that misses one, or whose target only re-exports or is no longer called). A target is a
+module global (``pkg.mod:name``) or a class attribute (``pkg.mod:Class.method``: every instance's
+lookup reaches it). Schema (all keys required unless
 marked optional; unknown keys are errors)::
 
     id: moe_aux_loss                      # = file stem
@@ -19,6 +22,7 @@ marked optional; unknown keys are errors)::
       - replacement: megatron_bitdet.kernels.moe_aux:switch_load_balancing_loss_func
         targets: [megatron.core.transformer.moe.moe_utils:switch_load_balancing_loss_func, ...]
         optional_binding: false           # optional: megatron binds the targets only when a GPU package imports
+        megatron_core: ">=0.18"           # optional: the versions this swap applies to (else every supported one)
         untouched: {module:attr: reason}  # optional: other bindings of the original, left alone on purpose
 """
 from __future__ import annotations
@@ -35,15 +39,15 @@ from megatron_bitdet.compat.versions import MEGATRON_CORE
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.resources import shipped_dir
 
-_SYMBOL = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*$")
+_SYMBOL = re.compile(r"^[A-Za-z_][\w]*(\.[A-Za-z_][\w]*)*:[A-Za-z_]\w*(\.[A-Za-z_]\w*)?$")
 _TOP_KEYS = {"id", "rule", "megatron_core", "why", "swaps", "needed_when", "order"}
 _OPTIONAL_KEYS = {"megatron_core", "needed_when", "order"}
-_SWAP_KEYS = {"replacement", "targets", "optional_binding", "untouched"}
+_SWAP_KEYS = {"replacement", "targets", "optional_binding", "untouched", "megatron_core"}
 _NEED_KEYS = {"spec": str, "layers": str, "deterministic": bool, "expert_impl": str, "fp8": bool, "fp4": bool}
 
 
 def split_symbol(symbol: str) -> Tuple[str, str]:
-    """``"pkg.module:attr"`` -> ``("pkg.module", "attr")``."""
+    """``"pkg.module:attr"`` -> ``("pkg.module", "attr")`` (``attr`` may be ``Class.attr``)."""
     module, attr = symbol.split(":")
     return module, attr
 
@@ -56,6 +60,10 @@ class Swap:
     targets: Tuple[str, ...]
     optional_binding: bool = False
     untouched: Dict[str, str] = field(default_factory=dict)
+    megatron_core: Optional[SpecifierSet] = None  # None: every version the declaration supports
+
+    def applies(self, version: str) -> bool:
+        return self.megatron_core is None or self.megatron_core.contains(version, prereleases=True)
 
 
 @dataclass(frozen=True)
@@ -131,7 +139,18 @@ def _swap(source, index, data) -> Swap:
         _fail(source, f"{where}.untouched must map 'module:attr' to a reason")
     for key in untouched:
         _symbol(source, f"{where}.untouched", key)
-    return Swap(_symbol(source, f"{where}.replacement", data.get("replacement")), targets, optional, dict(untouched))
+    versions = _specifier(source, f"{where}.megatron_core", data["megatron_core"]) if "megatron_core" in data else None
+    return Swap(_symbol(source, f"{where}.replacement", data.get("replacement")), targets, optional, dict(untouched),
+                versions)
+
+
+def _specifier(source, where, value) -> SpecifierSet:
+    try:
+        if not isinstance(value, str) or not value.strip():
+            raise InvalidSpecifier(value)
+        return SpecifierSet(value)
+    except InvalidSpecifier:
+        _fail(source, f"{where}: {value!r} is not a version specifier (e.g. '>=0.16.1,<0.18')")
 
 
 def _needs(source, data) -> Tuple[Need, ...]:
@@ -163,12 +182,7 @@ def parse_declaration(data, source: str) -> PatchDeclaration:
     for key in ("id", "rule", "why", *(["megatron_core"] if "megatron_core" in data else [])):
         if not isinstance(data[key], str) or not data[key].strip():
             _fail(source, f"{key} must be a non-empty string")
-    spec = MEGATRON_CORE
-    if "megatron_core" in data:
-        try:
-            spec = SpecifierSet(data["megatron_core"])
-        except InvalidSpecifier:
-            _fail(source, f"megatron_core: {data['megatron_core']!r} is not a version specifier (e.g. '>=0.16.1,<0.17')")
+    spec = _specifier(source, "megatron_core", data["megatron_core"]) if "megatron_core" in data else MEGATRON_CORE
     if not isinstance(data["swaps"], list) or not data["swaps"]:
         _fail(source, "swaps must be a non-empty list")
     swaps = tuple(_swap(source, i, s) for i, s in enumerate(data["swaps"]))
