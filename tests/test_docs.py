@@ -292,6 +292,17 @@ def test_every_rule_is_documented_with_its_swap():
     assert not problems, "\n".join(problems)
 
 
+def test_every_restore_skipping_flag_is_documented_with_its_fix():
+    from megatron_bitdet.megatron_lm.line_rules import RESTORE_FLAGS
+
+    problems = _named_rows_problems(
+        RULES_MD.read_text(), "Megatron-LM lines: resumes that skip restored state", "restore-skipping flag",
+        "megatron_bitdet/megatron_lm/line_rules.py", {flag: [fix] for _, _, flag, _, fix in RESTORE_FLAGS},
+        lambda f: next(f"| `{f}` | <on a line with> | {what} | {fix} |" for _, _, g, what, fix in RESTORE_FLAGS
+                       if g == f), [3])
+    assert not problems, "\n".join(problems)
+
+
 def test_every_canonical_environment_variable_is_documented_with_its_default():
     from megatron_bitdet.enforce.env import ENV_TABLE
 

@@ -16,7 +16,9 @@ EXAMPLES = """examples:
 3 when the rules pass but this machine cannot run it: the section "will not run on this machine" names
 each flag to add or drop; 0 when clean); flags for kernels that are not installed here are judged, not
 imported. A launch refuses before any rank starts (exit 2), listing both. bitdet's own options may appear
-among the Megatron args: --recipe, --bitdet-override, --run-dir, --snapshot-at, and bitdet train's
+among the Megatron args: --recipe, --bitdet-override, --run-dir, --snapshot-at, --accept-skipped-restore (a
+resume that skips restored state on purpose: --no-load-optim, --no-load-rng, --finetune, ... are refused on a
+line with --load without it), and bitdet train's
 tracing flags (--trace LEVEL --trace-steps A-B --trace-ranks LIST --trace-hash H --trace-capture R:EVENT).
 `bitdet localize` compares two traced runs, or re-launches two fingerprint-only runs from their manifests
 traced (the ladder; run it where the runs were launched).
