@@ -116,7 +116,7 @@ ENV_TABLE = (
     EnvVar("NVTE_UNFUSED_ATTN", None, _one_of("0", "1"), "0 or 1", "transformer_engine",
            "recorded: which TE attention backends may be chosen is part of the scope"),
     EnvVar("OMP_NUM_THREADS", None, _positive_int, "a positive integer", "openmp",
-           "recorded: CPU reductions split work by thread count, so it changes the bits"),
+           "recorded: CPU reductions may split work by thread count, so it may change the bits"),
     EnvVar("MKL_NUM_THREADS", None, _positive_int, "a positive integer", "openmp",
            "recorded: as OMP_NUM_THREADS for MKL kernels"),
     EnvVar("CUDA_DEVICE_MAX_CONNECTIONS", None, _positive_int, "a positive integer", "cuda",
