@@ -1,7 +1,8 @@
 """What a test run says about what it skipped: the Megatron-LM marker's skip reason, the closing count
 line, BITDET_REQUIRE_MEGATRON_LM=1 turning such a skip into a failure (as .ci/run sets it), and .ci/run
-refusing a MEGATRON_LM_PATH with no checkout before it runs anything. Each runs the real conftest (or
-script) in its own process on a two-test file."""
+refusing a MEGATRON_LM_PATH with no checkout before it runs anything; the Slurm cluster fixture skipping
+without Slurm, naming why, and failing instead under BITDET_REQUIRE_SLURM=1 (.ci/run). Each runs the real
+conftest, fixture module (or script) in its own process on a small test file."""
 from __future__ import annotations
 
 import os
@@ -63,3 +64,30 @@ def test_ci_refuses_a_missing_megatron_lm_checkout_before_running_anything(tmp_p
     assert done.returncode == 1
     assert f"MEGATRON_LM_PATH={tmp_path} holds no Megatron-LM checkout" in done.stderr
     assert not done.stdout  # make test never started
+
+
+SLURM_TEST = '''
+from slurm_cluster import slurm_cluster  # noqa: F401
+
+def test_needs_slurm(slurm_cluster):
+    pass
+'''
+
+
+def test_without_slurm_the_slurm_tests_skip_naming_why_and_required_slurm_fails_them(tmp_path):
+    """PATH holding only this interpreter's folder: no munged, slurmctld, srun ... to start a cluster with."""
+    shutil.copy(REPO / "tests" / "slurm_cluster.py", tmp_path / "slurm_cluster.py")
+    (tmp_path / "test_s.py").write_text(SLURM_TEST)
+    clean = {k: v for k, v in os.environ.items() if k != "BITDET_REQUIRE_SLURM"}
+    clean["PATH"] = str(Path(sys.executable).parent)
+    runs = [subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider", "test_s.py"],
+                           cwd=tmp_path, env={**clean, **env}, capture_output=True, text=True, timeout=300)
+            for env in ({}, {"BITDET_REQUIRE_SLURM": "1"})]
+    skipped, required = (r.stdout.strip().splitlines() for r in runs)
+    assert runs[0].returncode == 0, skipped
+    assert any(line.startswith("SKIPPED [1]") and "Slurm / munge not installed (munged, mungekey, slurmctld" in line
+               for line in skipped), skipped
+    assert runs[1].returncode == 1, required
+    assert any("BITDET_REQUIRE_SLURM=1 but the Slurm tests cannot run: Slurm / munge not installed" in line
+               for line in required), required
+    assert required[-1].startswith("1 error"), required

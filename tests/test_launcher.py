@@ -1,14 +1,17 @@
 """Workflows through a cluster launch template (``--launcher``): bad templates refused before any rank
-starts, and real launches across two "nodes" (network namespaces joined by a veth pair, torchrun's c10d
-rendezvous; conftest.two_nodes): a trivial worker (every rank's log collected into the run directory,
-and a launch whose run directory a node does not share refused), and `bitdet prove --megatron-lm`
-printing its verdict table.
+starts; one-rank torchrun launches on this machine whose rank does not share the run directory (refused,
+naming its host; the missing log named) or starts without the launch's environment (refused, naming each
+variable); and real launches across two "nodes" (network namespaces joined by a veth pair, torchrun's c10d
+rendezvous; conftest.two_nodes): a trivial worker (every rank's log collected into the run directory) and
+`bitdet prove --megatron-lm` printing its verdict table. Slurm: tests/test_slurm.py.
 """
 from __future__ import annotations
 
 import json
 import os
 import random
+import re
+import socket
 import sys
 from pathlib import Path
 
@@ -27,12 +30,12 @@ WORKFLOWS = {"prove": ["--recipe", "nemotron_h_tiny"], "verify-resume": ["--reci
              "localize": ["a", "b"], "replay": ["a", "--step", "2"]}
 
 
-def templates(nodes, nproc_per_node: int, *, node1_extra=()) -> list[str]:
+def templates(nodes, nproc_per_node: int) -> list[str]:
     """One torchrun template per node, each led by what runs it on its namespace."""
     import shlex
 
     port = random.randrange(29500, 29900)
-    return [shlex.join([*nodes.prefix(i), *(node1_extra if i else ()), TORCHRUN, "--nnodes", "2", "--nproc-per-node",
+    return [shlex.join([*nodes.prefix(i), TORCHRUN, "--nnodes", "2", "--nproc-per-node",
                         str(nproc_per_node), "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.master}:{port}"])
             for i in (0, 1)]
 
@@ -77,15 +80,15 @@ def test_a_relaunch_of_another_world_size_is_refused_before_any_rank_starts(tmp_
     assert not any(tmp_path.iterdir())
 
 
-def _allreduce(run_dir: Path, out: Path, launcher) -> int:
+def _allreduce(run_dir: Path, out: Path, launcher, nproc: int = 2) -> int:
     env = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")]))}
     with through(launcher):
-        return launch("dist_workers:allreduce", 2, {"out": str(out)}, run_dir=run_dir, env=env)
+        return launch("dist_workers:allreduce", nproc, {"out": str(out)}, run_dir=run_dir, env=env)
 
 
-@pytest.mark.slow  # two launches; the prove test below covers every rank's log in the default run
+@pytest.mark.slow  # the prove test below covers every rank's log in the default run
 @pytest.mark.timeout(300)
-def test_two_nodes_collect_every_ranks_log_and_refuse_a_run_dir_a_node_does_not_share(two_nodes, tmp_path):
+def test_two_nodes_collect_every_ranks_log(two_nodes, tmp_path):
     launcher = parse_launcher(templates(two_nodes, 1))
     assert (launcher.nnodes, launcher.nproc_per_node) == (2, 1)
     run_dir = tmp_path / "run"
@@ -96,12 +99,63 @@ def test_two_nodes_collect_every_ranks_log_and_refuse_a_run_dir_a_node_does_not_
     assert {r["env"]["WORLD_SIZE"] for r in results} == {"2"}
     for rank in (0, 1):  # each rank tees its own output into the shared run directory
         assert f"rank {rank} sum 3.0" in (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
-    # Node 1 mounts its own (empty) directory over the run directory: its rank's log never reaches it.
-    hidden = tmp_path / "not_shared"
-    hidden.mkdir()
-    private = ["sh", "-c", f'mount -t tmpfs none "{hidden}" && exec "$@"', "private"]
-    with pytest.raises(BitdetError, match=r"rank\(s\) \[1\] left no log in .*every node mounts"):
-        _allreduce(hidden, tmp_path, parse_launcher(templates(two_nodes, 1, node1_extra=private)))
+
+
+def _one_rank(lead=(), torchrun: str = TORCHRUN):
+    """A one-rank torchrun template on this machine, led by ``lead`` (what runs torchrun)."""
+    import shlex
+
+    return parse_launcher([shlex.join([*lead, torchrun, "--standalone", "--nproc-per-node", "1"])])
+
+
+def _private(run_dir: Path, then: str = "true") -> list[str]:
+    """A prefix that gives torchrun and its rank their own (empty) folder at ``run_dir``, then runs ``then``:
+    a node that does not share the run directory."""
+    return ["unshare", "--mount", "sh", "-c", f'mount -t tmpfs none "{run_dir}" && {then} && exec "$@"', "private"]
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_that_does_not_see_the_run_directory_refuses_and_a_missing_log_is_named(tmp_path, capfd):
+    """A node without the run directory: its rank refuses at start naming its host and the folder, and the
+    launch says whose log is missing. A node with its own folder at that path (the rank runs, exit 0, its
+    log lands there): the launch fails naming the file that is not here."""
+    from conftest import netns_available
+
+    if netns_available():  # root, unshare and mount: the same needs as the two-node tests
+        pytest.skip(netns_available())
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    log = run_dir / "logs" / "rank_00000.log"
+    assert _allreduce(run_dir, tmp_path, _one_rank(_private(run_dir)), 1) != 0
+    err = "".join(capfd.readouterr())
+    assert f"rank 0: error: on host {socket.gethostname()}: refused: {run_dir / 'logs'} does not exist here" in err, err
+    assert f"no log from rank(s) [0] ({log}): they did not start, or refused before writing one" in err, err
+    assert not (tmp_path / "rank_0.json").exists()  # the worker never ran
+    with pytest.raises(BitdetError, match=rf"rank\(s\) \[0\] exited 0 but {re.escape(str(log))} is not here"):
+        _allreduce(run_dir, tmp_path, _one_rank(_private(run_dir, f'mkdir "{run_dir}/logs"')), 1)
+    assert (tmp_path / "rank_0.json").exists()
+
+
+@pytest.mark.timeout(300)
+def test_a_rank_started_without_the_launchs_environment_is_refused_naming_each_variable(tmp_path, capfd):
+    """A site's torchrun wrapper that drops PYTHONHASHSEED and sets another NCCL_ALGO: bitdet's explicit
+    ``env K=V`` comes before it, so the rank starts without what the launch validated, and refuses (exit 2)
+    before its worker runs, naming both."""
+    wrapper = tmp_path / "site" / "torchrun"
+    wrapper.parent.mkdir()
+    wrapper.write_text(f'#!/bin/sh\nexec env -u PYTHONHASHSEED NCCL_ALGO=Tree "{TORCHRUN}" "$@"\n')
+    wrapper.chmod(0o755)
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])),
+           "PYTHONHASHSEED": "0", "NCCL_ALGO": "Ring"}
+    with through(_one_rank(torchrun=str(wrapper))):
+        rc = launch("dist_workers:allreduce", 1, {"out": str(tmp_path)}, run_dir=tmp_path / "run", env=env)
+    err = "".join(capfd.readouterr())  # a launcher's rank tees stderr with stdout
+    assert rc != 0, err
+    refusal = next((line for line in err.splitlines() if "did not start with the environment" in line), err)
+    assert refusal.startswith(f"rank 0: error: on host {socket.gethostname()}: refused:"), refusal
+    assert "PYTHONHASHSEED='0' missing" in refusal and "NCCL_ALGO='Ring' but 'Tree' here" in refusal, refusal
+    assert refusal in (tmp_path / "run" / "logs" / "rank_00000.log").read_text()  # teed before refusing
+    assert not (tmp_path / "rank_0.json").exists()  # the worker never ran
 
 
 @pytest.mark.megatron_lm

@@ -26,10 +26,15 @@ before the worker's ``before_process_group`` hook (enforcement) has run.
 Through a cluster launcher (:class:`Launcher`, ``--launcher``; :func:`through` makes it the one every
 ``launch`` in the block uses, so each workflow's launches go there unchanged): bitdet runs each template
 once per launch from this process, with the rank program appended (one template per node for torchrun,
-each led by what places it on its node; one for ``srun``, which starts every node itself). Each rank
-tees its own output to ``RUN_DIR/logs/rank_XXXXX.log``; RUN_DIR must be on a filesystem every node
-mounts at the same path (as Megatron's checkpoints need), and a launch that leaves a rank's log out of
-it fails.
+each led by what places it on its node; one for ``srun``, which starts every node itself). What the ranks
+must have (``env``: the canonical determinism environment; srun's rendezvous) is put on the command line
+as ``/usr/bin/env K=V ...`` right before torchrun, or before the rank program under srun, so it reaches
+remote ranks whatever the prefix or the cluster hands on (``srun --export=NONE`` included); the rank
+program gets the same values as an argument and refuses to start (exit 2, naming them) when its
+environment lacks one or differs. Each rank tees its own output to ``RUN_DIR/logs/rank_XXXXX.log``;
+RUN_DIR must be on a filesystem every node mounts at the same path (as Megatron's checkpoints need): a
+rank that does not see the ``logs`` folder bitdet made before the launch refuses, naming its host, and a
+launch that leaves a rank's log out of it fails, naming the file.
 """
 from __future__ import annotations
 
@@ -59,8 +64,8 @@ TERMINATE_GRACE_S = 5.0
 CULPRIT_GRACE_S = 1.0
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK")
 _REEXEC_MARK = "BITDET_REEXECUTED"  # set across adopt_env's one re-exec of a rank
-_RANK_LOGS = "BITDET_RANK_LOGS"  # a launcher's ranks: the run directory each tees its own log into
 _RANK_PROGRAM = "megatron_bitdet.train.launch"
+_ENV_PROGRAM = "/usr/bin/env"  # by absolute path: a rank started with srun --export=NONE has no PATH
 
 
 def under_torchrun(environ=None) -> bool:
@@ -192,7 +197,7 @@ def _describe(rc: int) -> str:
 
 
 def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank) -> int:
-    cmd = [sys.executable, "-m", _RANK_PROGRAM, worker_fn_path, _args_json(args), backend or ""]
+    cmd = [sys.executable, *_rank_program(worker_fn_path, args, backend, env or {}, None)]
     if run_dir is not None:
         logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
     store = _rendezvous_store(nproc)
@@ -202,6 +207,14 @@ def _spawn_all(worker_fn_path, nproc, args, backend, run_dir, env, console_rank)
     return _supervise([(f"rank {r}", cmd, {**base, "RANK": str(r), "LOCAL_RANK": str(r)},
                         log_path(run_dir, r) if run_dir is not None else None, r == console_rank % nproc)
                        for r in range(nproc)])
+
+
+def _rank_program(worker_fn_path: str, args, backend, env: dict, tee_dir) -> list[str]:
+    """The rank program's argv after the interpreter: the worker, its arguments, the backend, the
+    environment the rank must have started with (checked by :func:`_refuse_unforwarded`) and the run
+    directory a launcher's rank tees its log into ("" for a spawned rank, whose parent writes it)."""
+    return ["-m", _RANK_PROGRAM, worker_fn_path, _args_json(args), backend or "", json.dumps(env, sort_keys=True),
+            "" if tee_dir is None else os.path.abspath(tee_dir)]
 
 
 def _args_json(args) -> str:
@@ -321,26 +334,43 @@ class Launcher:
                                    f"{self.nproc_per_node}) but {what} is {nproc}: make them agree")
 
     def run(self, worker_fn_path: str, nproc: int, args, *, backend=None, run_dir=None, env=None) -> int:
-        """One launch: every template with the rank program appended, supervised as the local ranks are;
-        then every rank's log must be in RUN_DIR (the run directory collected from every node)."""
+        """One launch: every template with what the ranks need forwarded on its command line and the rank
+        program appended, supervised as the local ranks are; then every rank's log must be in RUN_DIR (the
+        run directory collected from every node)."""
         self.check_world(nproc, "this run's world size")
-        rank_cmd = ["-m", _RANK_PROGRAM, worker_fn_path, _args_json(args), backend or ""]
-        base = {**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"}
-        if run_dir is not None:
-            logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
-            base[_RANK_LOGS] = os.path.abspath(run_dir)
+        forward = {**(env or {}), "PYTHONUNBUFFERED": "1"}
         if self.program == "srun":  # srun starts bare ranks: they join this process's store
             store = _rendezvous_store(nproc)
-            base.update(MASTER_ADDR=socket.gethostname(), MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
-                        TORCHELASTIC_USE_AGENT_STORE="True", LOCAL_WORLD_SIZE=str(self.nproc_per_node))
-            rank_cmd = [sys.executable, *rank_cmd]
-        rc = _supervise([(f"node {i}", [*t, *rank_cmd], base, None, True) for i, t in enumerate(self.templates)])
-        if rc == 0 and run_dir is not None:
+            forward.update(MASTER_ADDR=socket.gethostname(), MASTER_PORT=str(store.port), WORLD_SIZE=str(nproc),
+                           TORCHELASTIC_USE_AGENT_STORE="True", LOCAL_WORLD_SIZE=str(self.nproc_per_node))
+        if run_dir is not None:
+            logs_dir(run_dir).mkdir(parents=True, exist_ok=True)
+        rank = _rank_program(worker_fn_path, args, backend, forward, run_dir)
+        prefix = [_ENV_PROGRAM, *(f"{k}={v}" for k, v in forward.items())]
+        base = {**os.environ, **forward}
+        rc = _supervise([(f"node {i}", self._command(t, prefix, rank), base, None, True)
+                         for i, t in enumerate(self.templates)])
+        if run_dir is not None:
             missing = [r for r in range(nproc) if not log_path(run_dir, r).is_file()]
+            if missing and rc == 0:
+                raise BitdetError(
+                    f"{LAUNCHER_FLAG}: rank(s) {missing} exited 0 but {_named_logs(run_dir, missing)} is not here: "
+                    f"each rank writes it into the {logs_dir(run_dir)} its own node sees, which held a folder "
+                    "that is not this one (the run directory must be one filesystem every node mounts at the "
+                    "same path, not a folder of the same name on each node)")
             if missing:
-                raise BitdetError(f"{LAUNCHER_FLAG}: rank(s) {missing} left no log in {logs_dir(run_dir)}: the run "
-                                  "directory must be on a filesystem every node mounts at the same path")
+                print(f"bitdet launch: no log from rank(s) {missing} ({_named_logs(run_dir, missing)}): they did "
+                      "not start, or refused before writing one (their reason is above)", file=sys.stderr, flush=True)
         return rc
+
+    def _command(self, template: tuple, prefix: list, rank: list) -> list:
+        """``template`` with ``prefix`` (``env K=V ...``) right before the program that starts the ranks'
+        interpreters (torchrun, whose ranks inherit its environment; srun's rank program itself) and the
+        rank program appended."""
+        if self.program == "srun":
+            return [*template, *prefix, sys.executable, *rank]
+        at = [os.path.basename(t) for t in template].index("torchrun")
+        return [*template[:at], *prefix, *template[at:], *rank]
 
 
 _LAUNCHER: Launcher | None = None
@@ -468,10 +498,42 @@ def adopt_env(env: dict) -> None:
     os.execv(sys.executable, sys.orig_argv)
 
 
+def _named_logs(run_dir, ranks: list) -> str:
+    return ", ".join(str(log_path(run_dir, r)) for r in ranks)
+
+
+def _refuse_unforwarded(env: dict) -> None:
+    """A rank whose environment is not what the launch set for it (a template's wrapper, module system or
+    site script between bitdet and the rank dropped or changed it) is refused before anything reads it,
+    naming each variable: the launching node validated these values and records them for every rank.
+    PYTHONHASHSEED is judged by what this interpreter really hashes with."""
+    from megatron_bitdet.enforce.env import hash_seed_in_effect
+
+    wrong = []
+    for name, want in env.items():
+        got = os.environ.get(name)
+        if name == "PYTHONHASHSEED" and got == want and want.isdigit() and hash_seed_in_effect() != str(int(want)):
+            got = "(set, but this interpreter hashes str randomly: python -E / -I?)"
+        if got != want:
+            wrong.append(f"{name}={want!r} " + ("missing" if got is None else f"but {got!r} here"))
+    if wrong:
+        raise BitdetInputError(
+            f"on host {socket.gethostname()}: refused: this rank did not start with the environment the launch set "
+            f"for every rank: {'; '.join(wrong)}. bitdet puts it on the command line ({_ENV_PROGRAM} K=V ... "
+            "before torchrun, or before the rank program under srun); something between that and this rank (a "
+            "wrapper script, a module system, a site's torchrun) dropped or changed it: let it through unchanged")
+
+
 def _tee_output(path: Path) -> None:
     """A launcher's rank: this process's stdout and stderr (C++ included) go to ``path`` and on to the
-    launcher's console, through ``tee``, which outlives a crash of the rank."""
-    path.parent.mkdir(parents=True, exist_ok=True)
+    launcher's console, through ``tee``, which outlives a crash of the rank. The ``logs`` folder must
+    already be there: the launching node made it, so a node that does not see it does not share the run
+    directory."""
+    if not path.parent.is_dir():
+        raise BitdetInputError(
+            f"on host {socket.gethostname()}: refused: {path.parent} does not exist here, although the launching "
+            "node made it before starting the ranks: the run directory must be on a filesystem every node mounts "
+            "at the same path (each rank writes its log, fingerprints and checkpoints there)")
     read, write = os.pipe()
     subprocess.Popen(["tee", "-a", str(path)], stdin=read, stdout=1, stderr=subprocess.DEVNULL)
     os.close(read)
@@ -481,13 +543,13 @@ def _tee_output(path: Path) -> None:
 
 
 def _child_main(argv: list[str]) -> int:
-    worker_path, args_json, backend = argv
+    worker_path, args_json, backend, env_json, run_dir = argv
     if "RANK" not in os.environ and "SLURM_PROCID" in os.environ:  # srun started this rank (Launcher.run)
         os.environ.update(RANK=os.environ["SLURM_PROCID"], LOCAL_RANK=os.environ["SLURM_LOCALID"])
-    run_dir = os.environ.pop(_RANK_LOGS, None)
-    if run_dir:
-        _tee_output(log_path(run_dir, int(os.environ["RANK"])))
     try:
+        if run_dir:
+            _tee_output(log_path(run_dir, int(os.environ["RANK"])))
+        _refuse_unforwarded(json.loads(env_json))
         return run_rank(worker_path, json.loads(args_json), backend or None, fresh_interpreter=True)
     except BitdetError as exc:
         print(f"rank {os.environ.get('RANK')}: error: {exc}", file=sys.stderr, flush=True)
