@@ -148,3 +148,32 @@ def flip_every_kind(rank: int, world_size: int, *, recipe: dict, options: dict, 
 
 for _entry in (recorded, replica_flips, flip_every_kind):
     _entry.before_process_group = enforce
+
+
+class PlantMoment(StepHook):
+    """On ``rank`` at ``step``, right after the optimizer's update: one bit flipped in the first Adam
+    ``exp_avg`` this rank's optimizer holds (the moment is wrong; the step's params, made before it, are
+    not). Where: ``out`` (JSON)."""
+
+    def __init__(self, rank: int, step: int, out: str):
+        self.rank, self.step, self.out = rank, step, out
+
+    def begin(self, step, state, batches):
+        if step == self.step and torch.distributed.get_rank() == self.rank:
+            optimizer, update = state.optimizer, state.optimizer.step
+
+            def step_then_flip():
+                result = update()
+                inner = getattr(optimizer, "chained_optimizers", [optimizer])[0].optimizer
+                target = next(p for g in inner.param_groups for p in g["params"] if "exp_avg" in inner.state[p])
+                _flip_bit(inner.state[target]["exp_avg"], 2, 6)
+                Path(self.out).write_text(json.dumps({"rank": self.rank, "step": step, "numel": target.numel()}))
+                optimizer.step = update
+                return result
+
+            optimizer.step = step_then_flip
+        return batches
+
+
+def planted_moment(rank: int, world_size: int, *, recipe: dict, options: dict, plant: dict) -> int:
+    return worker(rank, world_size, recipe=recipe, options=options, hooks=[PlantMoment(**plant)])

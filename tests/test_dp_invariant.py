@@ -11,6 +11,7 @@ EP 2 at DP 2 and DP 4 (strided hosting keeps the EP groups) is a slow case.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -32,12 +33,16 @@ OVERRIDES = ["training.iterations=2", "training.lr_schedule.warmup_iters=0", "de
 INVARIANT = ["determinism.reductions=dp_invariant", f"determinism.virtual_dp={V}"]
 
 
-def _train(run_dir: Path, nproc: int, extra: list[str]) -> Path:
+def _train(run_dir: Path, nproc: int, extra: list[str], **worker) -> Path:
+    """``worker``: a rank entry of tests/ (``worker=``, ``worker_args=``) instead of bitdet train's."""
     recipe = load_recipe(str(RECIPE), [*OVERRIDES, *extra])
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("OMP_NUM_THREADS", "1")
         mp.delenv("BITDET_EMULATED_RING", raising=False)
-        assert launch_training(recipe, RunOptions(nproc=nproc, run_dir=str(run_dir))) == 0, run_dir / "logs"
+        if worker:
+            mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(Path(__file__).parent),
+                                                                   os.environ.get("PYTHONPATH")])))
+        assert launch_training(recipe, RunOptions(nproc=nproc, run_dir=str(run_dir)), **worker) == 0, run_dir / "logs"
     return run_dir
 
 
@@ -80,7 +85,8 @@ def test_dp_1_2_4_give_the_same_bits_and_compare_matches(runs, capsys):
     step_metrics = ref[0][1]
     assert {"loss", "lm_loss", "grad_norm"} <= step_metrics.keys()
     assert any(k.startswith("aux_loss/") for k in step_metrics), "no MoE aux loss compared"
-    assert set(ref[0][2]) == {"logical_params", "logical_grads"}
+    # Adam's moments too (the distributed optimizer's shards: no rank holds them whole)
+    assert set(ref[0][2]) == {"logical_params", "logical_grads", "logical_exp_avg", "logical_exp_avg_sq"}
     for n in (2, 4):
         assert _logical(runs[f"inv{n}"]) == ref, f"DP {n} differs from DP 1"
     for a, b in (("inv1", "inv4"), ("inv2", "inv4"), ("inv1", "inv2")):
@@ -123,6 +129,38 @@ def test_compare_refuses_another_virtual_dp_or_tree_and_catches_a_flipped_partia
     path.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines))
     rc, out = _compare(runs["inv1"], flipped, capsys)
     assert rc == 1 and "logical_grads" in out and "MATCH" not in out, out
+
+
+def test_compare_across_dp_checks_every_ranks_metrics(runs, tmp_path, capsys):
+    """Rank 2 of the DP 4 run says another lm_loss at step 2 (its file edited: the ranks' metrics are
+    reduced, so only a broken reduction or file makes them differ): compare names rank 2, not only
+    the lowest rank's metrics."""
+    edited = shutil.copytree(runs["inv4"], tmp_path / "edited")
+    path = edited / "fingerprints" / "rank_00002.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    value = lines[1]["metrics"]["lm_loss"]
+    lines[1]["metrics"]["lm_loss"] = value[:-1] + ("0" if value[-1] != "0" else "1")
+    path.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines))
+    capsys.readouterr()
+    assert bitdet(["compare", "--json", str(runs["inv2"]), str(edited)]) == 1
+    first = json.loads(capsys.readouterr().out)["first_divergence"]
+    assert (first["step"], first["metrics"], first["ranks"]) == (2, ["lm_loss"], [2]), first
+
+
+def test_a_wrong_moment_at_the_last_step_is_named(runs, tmp_path, capsys):
+    """One bit of rank 1's Adam exp_avg shard flipped right after the last step's update (DP 2): the
+    step's params are right, so only the moments' logical digest can see it; compare against DP 1 names
+    the step and the component."""
+    plant = tmp_path / "plant.json"
+    planted = _train(tmp_path / "planted", 2, INVARIANT, worker="fingerprint_workers:planted_moment",
+                     worker_args={"plant": {"rank": 1, "step": 2, "out": str(plant)}})
+    assert json.loads(plant.read_text())["step"] == 2
+    capsys.readouterr()
+    assert bitdet(["compare", "--json", str(runs["inv1"]), str(planted)]) == 1
+    result = json.loads(capsys.readouterr().out)
+    assert result["diverged_steps"] == [2] and result["first_divergence"]["metrics"] == ["digest:logical_exp_avg"]
+    rc, out = _compare(runs["inv1"], planted, capsys)
+    assert rc == 1 and "logical_exp_avg" in out and "MATCH" not in out, out
 
 
 def test_manifest_records_the_virtual_layout(runs):

@@ -133,11 +133,13 @@ def compare_runs(run_a, run_b, *, force: bool = False, metrics=None, ranks=None,
         if ranks is not None:
             raise BitdetInputError("--ranks: runs of different data-parallel sizes are compared as one logical "
                                    "rank (dp_invariant); leave --ranks out")
-        a, b = _logical_view(a), _logical_view(b)
+        width = max(a.manifest["scope"]["world_size"], b.manifest["scope"]["world_size"])
+        a, b = _logical_view(a, width), _logical_view(b, width)
         result.warnings.append(
             f"data-parallel sizes differ ({a.manifest['scope']['dp']} vs {b.manifest['scope']['dp']}), both "
-            f"dp_invariant with virtual_dp {virtual_dp(a)}: compared the metrics and the logical digests "
-            "(the ranks' partials added); the per-rank buffer digests and slice records are layout-dependent")
+            f"dp_invariant with virtual_dp {virtual_dp(a)}: compared every rank's metrics (rank r with the "
+            "other run's rank r, or its rank 0 where it has fewer ranks) and the logical digests (the ranks' "
+            "partials added); the per-rank buffer digests and slice records are layout-dependent")
     result.ranks_compared = _select_ranks(a, b, ranks)
     names = _select_names(a, b, result.ranks_compared, metrics)
     result.metrics_compared = [n for n in names if not n.startswith(DIGEST_PREFIX)]
@@ -161,36 +163,43 @@ def _across_dp(a: RunData, b: RunData) -> bool:
             and a.manifest["scope"].get("dp") != b.manifest["scope"].get("dp"))
 
 
-def _logical_view(run: RunData) -> RunData:
-    """The run as one layout-free rank (0): per step, each metric as the lowest rank holding it writes
-    it (the scalars are reduced, so every DP rank holds the same), the ranks' logical partial digests
-    added, rank 0's small-state digests (module buffers, generators). A step some rank of the world
-    lacks is left out (its logical sum would be partial): the comparison then says incomplete."""
+def _logical_view(run: RunData, width: int) -> RunData:
+    """The run on ``width`` ranks (the larger of two runs' world sizes). Its logical metrics: each as the
+    lowest rank holding it writes it (the scalars are reduced: every DP rank of a dp_invariant run holds
+    the same; the loss only on the last pipeline stage). Rank r holds rank r's own metrics, the logical
+    ones for the names it lacks, or only the logical ones where the run has fewer ranks, so every rank's
+    metrics are compared with the other run's. Rank 0 also holds the step's layout-free digests: the
+    ranks' logical partials added, and rank 0's small-state digests (module buffers, generators; not the
+    kinds the slice records lay out by rank). A step some rank of the world lacks is left out (its
+    logical sum would be partial): the comparison then says incomplete."""
     world = run.manifest["scope"]["world_size"]
     steps: dict[int, list] = {}
     for rank in sorted(run.ranks):
         for rec in run.ranks[rank]:
             steps.setdefault(rec.step, []).append((rank, rec))
-    records = []
+    records: dict[int, list] = {r: [] for r in range(width)}
     for step in sorted(steps):
-        held = steps[step]
+        held = dict(steps[step])
         if len(held) != world:
             continue
+        sliced = {s.get("kind") for rec in held.values() for s in rec.slices if isinstance(s, dict)}
         metrics, partials, small = {}, {}, {}
-        for rank, rec in held:
+        for rank, rec in held.items():
             for name, value in rec.metrics.items():
                 metrics.setdefault(name, value)
             for name, value in rec.digests.items():
                 if name.startswith("logical_"):
                     partials.setdefault(name, []).append(value)
-                elif rank == 0 and name not in LAYOUT_DIGESTS:
+                elif rank == 0 and name not in LAYOUT_DIGESTS and name not in sliced:
                     small[name] = value
         digests = {**small, **{k: combine_partials(v) for k, v in partials.items()}}
-        records.append(StepRecord(step=step, metrics=metrics, digests=digests, line=held[0][1].line,
-                                  version=held[0][1].version))
-    files = {0: run.files[min(run.files)].parent} if run.files else {}
-    return RunData(run.path, run.format, {0: records}, files, {**run.manifest, "scope": {
-        **run.manifest["scope"], "world_size": 1}}, run.hidden, run.warnings, run.truncated)
+        for r in range(width):
+            rec = held.get(r, held[0])
+            records[r].append(StepRecord(step=step, metrics={**metrics, **rec.metrics} if r in held else metrics,
+                                         digests=digests if r == 0 else {}, line=rec.line, version=rec.version))
+    files = {r: run.files.get(r, run.files[min(run.files)]) for r in range(width)} if run.files else {}
+    return RunData(run.path, run.format, records, files, {**run.manifest, "scope": {
+        **run.manifest["scope"], "world_size": width}}, run.hidden, run.warnings, run.truncated)
 
 
 def _check_scope(a: RunData, b: RunData, force: bool, warnings: list[str]) -> list[dict]:

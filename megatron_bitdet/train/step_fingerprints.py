@@ -222,19 +222,58 @@ def _coordinates(expert: bool) -> str:
     return f"tp{ps.get_tensor_model_parallel_rank()}.pp{ps.get_pipeline_model_parallel_rank()}"
 
 
-def logical_pieces(ddp_modules) -> dict[str, list]:
+def _optimizer_targets(optimizer, params) -> dict:
+    """param -> (torch optimizer, the tensor it updates for the param, keying its state): the distributed
+    optimizer's shard (an fp32 main-param shard, or a view of an fp32 param's shard), else a 16-bit
+    param's fp32 main param, else the param. A param this rank's optimizer does not update (another
+    rank's shard) is left out."""
+    inners, shards = [], {}
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]) if optimizer is not None else []:
+        inners.append(opt.optimizer)
+        if hasattr(opt, "shard_fp32_groups"):  # megatron's DistributedOptimizer
+            for models, shard_groups in ((opt.model_float16_groups, opt.shard_fp32_from_float16_groups),
+                                         (opt.model_fp32_groups, opt.shard_fp32_groups)):
+                for group, shard_group in zip(models, shard_groups):
+                    shards.update(zip(group, shard_group))
+    holder = {id(t): inner for inner in inners for g in inner.param_groups for t in g["params"]}
+    out = {}
+    for p in params:
+        t = shards.get(p)
+        if t is None:
+            t = p.main_param if getattr(p, "main_param", None) is not None else p
+        if id(t) in holder:
+            out[p] = (holder[id(t)], t)
+    return out
+
+
+def _state_view(inner, target, first: int, n: int):
+    """() -> {state name: flat view of elements ``first .. first + n``} of ``target``'s per-element
+    optimizer state (Adam's ``exp_avg``, ``exp_avg_sq``; read when called: torch makes the state at the
+    first step, and a restore replaces it)."""
+    import torch
+
+    def get():
+        return {k: v.view(-1)[first:first + n] for k, v in sorted(inner.state.get(target, {}).items())
+                if torch.is_tensor(v) and v.dim() and v.numel() == target.numel()}
+    return get
+
+
+def logical_pieces(ddp_modules, optimizer=None) -> dict[str, list]:
     """kind -> [(key, offset, get)]: the logical elements this rank digests, ``get()`` giving the live
     flat view of elements ``offset ..`` of the parameter keyed ``key``. Each bucket of a DDP buffer is
     split over its data-parallel group as the distributed optimizer shards it (rank i: the i-th of
     ``of`` equal parts; without it the same split of the replicated buffer), so every element of a
     replicated kind is digested by exactly one rank: params, grads (with the distributed optimizer the
-    reduced shard), and fp32 main params (sharded: exactly that shard)."""
-    out: dict[str, list] = {"params": [], "grads": [], "main_params": []}
+    reduced shard), fp32 main params (sharded: exactly that shard), and ``optimizer``: ``get()`` gives
+    {state name: view} of ``optimizer``'s per-element state of those elements (with the distributed
+    optimizer its shard, which is exactly the piece)."""
+    out: dict[str, list] = {"params": [], "grads": [], "main_params": [], "optimizer": []}
     for ci, m in enumerate(ddp_modules):
         names = {p: n for n, p in m.module.named_parameters()}
         for b in (*m.buffers, *m.expert_parallel_buffers):
             where = _coordinates(b in m.expert_parallel_buffers)
             group = Group.of(b.data_parallel_group)
+            targets = _optimizer_targets(optimizer, b.params)
             for bucket in b.buckets:
                 n = bucket.grad_data.numel()
                 lo = bucket.offset + n * group.index // group.size
@@ -253,7 +292,38 @@ def logical_pieces(ddp_modules) -> dict[str, list]:
                         sharded = getattr(p, "main_param_sharded", False)
                         out["main_params"].append((key, a - start, (lambda p=p: p.main_param.view(-1)) if sharded
                                                    else (lambda p=p, a=a - start, z=z - start: p.main_param.view(-1)[a:z])))
+                    if p in targets:
+                        inner, t = targets[p]
+                        first = 0 if t.numel() == z - a else a - start  # a shard is the piece; else the whole
+                        out["optimizer"].append((key, a - start, _state_view(inner, t, first, z - a)))
     return out
+
+
+def logical_sums(pieces: dict, kinds) -> dict:
+    """{``logical_<kind>``: a 0-d int64 tensor}: this rank's partial logical digests of ``kinds`` of
+    ``logical_pieces``, summed on the device (nothing read back); ``optimizer`` gives one per state
+    name (``logical_exp_avg``, ``logical_exp_avg_sq``)."""
+    import torch
+
+    sums: dict[str, list] = {}
+    for kind in kinds:
+        for key, offset, get in pieces[kind]:
+            views = get() if kind == "optimizer" else {kind: get()}
+            for name, flat in views.items():
+                sums.setdefault(f"logical_{name}", []).append(logical.partial_sum(flat, key, offset))
+    return {name: torch.stack(partials).sum() for name, partials in sums.items()}
+
+
+def logical_partials(ddp_modules, optimizer) -> dict[str, str]:
+    """This rank's partial logical digests of its params, fp32 main params and optimizer state, read
+    back now (a snapshot, outside a step): {``params``, ``exp_avg``, ...: ``lsum64:<hex>``}; the
+    ranks' partials of a name added (``logical.combine_partials``) do not depend on the DP size."""
+    import torch
+
+    sums = logical_sums(logical_pieces(ddp_modules, optimizer), ("params", "main_params", "optimizer"))
+    names = sorted(sums)
+    values = torch.stack([sums[n] for n in names]).tolist() if names else []
+    return {n.removeprefix("logical_"): logical.encode(v) for n, v in zip(names, values)}
 
 
 class StepDigests:
@@ -298,14 +368,8 @@ class StepDigests:
         if not self.logical:
             return
         if self._pieces is None:
-            self._pieces = logical_pieces(self.model)
-        import torch
-
-        for kind in kinds:
-            pieces = self._pieces[kind]
-            if pieces:
-                self._partials[f"logical_{kind}"] = torch.stack(
-                    [logical.partial_sum(get(), key, offset) for key, offset, get in pieces]).sum()
+            self._pieces = logical_pieces(self.model, self.optimizer)
+        self._partials.update(logical_sums(self._pieces, kinds))
 
     def grads(self, step: int) -> None:
         """Launch the reduced grads' digests (before the optimizer step consumes or clips them)."""
@@ -317,7 +381,7 @@ class StepDigests:
         replicated per-element state, the model's buffers, its generators' states, FP8 encoded weights
         and scaling state, NVFP4 encodings."""
         self._launch([j for r in self.regions() if r.kind != "grads" for j in r.jobs(step)])
-        self._launch_logical(("params", "main_params"))
+        self._launch_logical(("params", "main_params", "optimizer"))
         jobs = []
         for kind, named in self._small_state().items():
             job, self._small[kind] = named_digest(named, kind)
