@@ -36,7 +36,7 @@ def test_prove_holds_end_to_end(tmp_path, capsys):
     assert "independent reproducibility" in rows[0][1] and "checkpoint resume" in rows[1][1]
     assert "replicas agree within run A" in rows[2][1]
     # the replica check's evidence: what it covered, and what the distributed optimizer leaves uncoverable
-    assert "replica-chunks" in html and "not coverable in this layout: grads" in html
+    assert "replica-chunks" in html and "not coverable in this layout (one holder): grads 0.dense.0" in html
     assert "Determinism tax" in html and "every guarantee holds" in html
     assert f"report: {out / 'report.html'}" in printed.replace("\n", "")
     import json

@@ -56,6 +56,23 @@ class Coverage:
 
 
 @dataclass
+class Uncoverable:
+    """A region the layout gives one holder: nothing to compare it with."""
+
+    kind: str
+    buf: str
+    why: str
+    bytes: int | None = None  # None: from the manifest alone (the lines digest none of it)
+    groups: int = 1           # an expert buffer's data-parallel groups repeat per EP rank
+
+    def __str__(self) -> str:
+        size = "" if self.bytes is None else f" ({self.bytes:,} bytes" + (
+            f" in each of {self.groups} groups)" if self.groups > 1 else ")")
+        return f"{self.kind} {self.buf}{size}: {self.why}: no replica to compare" + (
+            " (manifest)" if self.bytes is None else "")
+
+
+@dataclass
 class CheckResult:
     run: str
     steps: list[int] = field(default_factory=list)
@@ -63,7 +80,7 @@ class CheckResult:
     bytes_checked: int = 0
     disagreements: list[Disagreement] = field(default_factory=list)
     coverage: list[Coverage] = field(default_factory=list)
-    uncoverable: list[str] = field(default_factory=list)
+    uncoverable: list[Uncoverable] = field(default_factory=list)
     incomplete: list[str] = field(default_factory=list)
     step_digests: dict[int, dict[str, str]] = field(default_factory=dict)  # step -> "kind buf group" -> digest
     warnings: list[str] = field(default_factory=list)
@@ -168,7 +185,7 @@ def check_run(path, *, allow_truncated: bool = False) -> CheckResult:
     return result
 
 
-def _coverage(owners: dict, regions: dict, compared: dict, manifest) -> tuple[list[Coverage], list[str]]:
+def _coverage(owners: dict, regions: dict, compared: dict, manifest) -> tuple[list[Coverage], list[Uncoverable]]:
     """Per replicated region: the replica copies compared; the owned shards and the manifest's
     uncoverable kinds (``replica_check``, from ``train.step_fingerprints.replica_coverage``)."""
     chunk_sets: dict[tuple, set] = {}
@@ -176,23 +193,24 @@ def _coverage(owners: dict, regions: dict, compared: dict, manifest) -> tuple[li
     for (step, kind, buf, group, _), (_, parts) in owners.items():
         chunk_sets.setdefault((kind, buf, group), set()).update(p for p in parts if p[1] > p[0])
         steps.setdefault((kind, buf, group), set()).add(step)
-    covered, uncoverable = [], []
+    covered, alone = [], {}
     for key, info in sorted(regions.items()):
         kind, buf, _ = key
-        if info["sharded"] or info["of"] == 1:
-            why = "owned shards, one holder each" if info["sharded"] else "one replica"
-            uncoverable.append(f"{kind} {buf} ({info['bytes']:,} bytes): {why}: no replica to compare")
+        if info["of"] == 1 or info["sharded"]:  # an expert buffer's groups repeat per EP rank: said once
+            why = "one replica" if info["of"] == 1 else "owned shards, one holder each"
+            alone.setdefault((kind, buf, why), []).append(info["bytes"])
             continue
         covered.append(Coverage(kind, buf, info["of"], info["bytes"], sorted(steps[key]),
                                 len(compared.get(key, ())), info["of"] * len(chunk_sets[key])))
+    uncoverable = [Uncoverable(kind, buf, why, max(sizes), len(sizes)) for (kind, buf, why), sizes in alone.items()]
     seen = {f"{kind} {buf}" for kind, buf, _ in regions}
     for entry in (manifest or {}).get("replica_check") or []:
-        if entry.get("layout") == "owned shard" and f"{entry['kind']} {entry['buf']}" not in seen:
-            uncoverable.append(f"{entry['kind']} {entry['buf']}: {entry.get('why', 'owned shard')}: no replica "
-                               "to compare (manifest)")
+        if entry.get("layout") != "replicated" and f"{entry['kind']} {entry['buf']}" not in seen:
+            seen.add(f"{entry['kind']} {entry['buf']}")
+            uncoverable.append(Uncoverable(entry["kind"], entry["buf"], entry.get("why", entry.get("layout"))))
     if manifest is not None and "replica_check" not in manifest:
-        uncoverable.append("the manifest does not record the layout's coverage (replica_check): owned shards "
-                           "digested by no line (the distributed optimizer's optimizer state) are not listed")
+        uncoverable.append(Uncoverable("optimizer", "*", "not known: the manifest does not record the layout's "
+                                       "coverage (replica_check), so owned shards no line digests are not listed"))
     return covered, uncoverable
 
 
@@ -215,7 +233,7 @@ def coverage_summary(result: CheckResult) -> str:
     out = (f"{result.chunks_checked} chunks compared across replicas, steps {_span(result.steps)}: {covered} "
            f"(every copy within replicas x {CHECK_CHUNKS} steps)")
     if result.uncoverable:
-        out += "; not coverable in this layout: " + "; ".join(result.uncoverable)
+        out += "; not coverable in this layout (one holder): " + ", ".join(f"{u.kind} {u.buf}" for u in result.uncoverable)
     return out
 
 

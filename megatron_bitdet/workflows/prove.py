@@ -82,7 +82,7 @@ def replica_verdict(run_a: Path) -> tuple[Verdict | None, str]:
         return None, str(exc)
     evidence = coverage_summary(result)
     if result.verdict == "consistent":
-        return Verdict(REPLICAS, True, f"{evidence}: all equal"), ""
+        return Verdict(REPLICAS, True, f"all equal: {evidence}"), ""
     named = ", ".join(map(str, result.suspects))
     return Verdict(REPLICAS, False, f"{evidence}: {result.verdict}"
                    + (f", {len(result.disagreements)} disagreements, suspect rank(s) {named}" if named else
