@@ -101,11 +101,14 @@ def test_two_nodes_collect_every_ranks_log(two_nodes, tmp_path):
         assert f"rank {rank} sum 3.0" in (run_dir / "logs" / f"rank_{rank:05d}.log").read_text()
 
 
-def _one_rank(lead=(), torchrun: str = TORCHRUN):
-    """A one-rank torchrun template on this machine, led by ``lead`` (what runs torchrun)."""
+def _one_rank(run_dir: Path, out: Path, lead=(), torchrun: str = TORCHRUN, **env) -> int:
+    """One rank through a torchrun template on this machine, led by ``lead`` (what runs torchrun); its
+    worker (cheap: no collective) writes ``out/worker.json``."""
     import shlex
 
-    return parse_launcher([shlex.join([*lead, torchrun, "--standalone", "--nproc-per-node", "1"])])
+    env = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])), **env}
+    with through(parse_launcher([shlex.join([*lead, torchrun, "--standalone", "--nproc-per-node", "1"])])):
+        return launch("dist_workers:hash_state", 1, {"out": str(out)}, run_dir=run_dir, env=env)
 
 
 def _private(run_dir: Path, then: str = "true") -> list[str]:
@@ -126,14 +129,14 @@ def test_a_rank_that_does_not_see_the_run_directory_refuses_and_a_missing_log_is
     run_dir = tmp_path / "run"
     run_dir.mkdir()
     log = run_dir / "logs" / "rank_00000.log"
-    assert _allreduce(run_dir, tmp_path, _one_rank(_private(run_dir)), 1) != 0
+    assert _one_rank(run_dir, tmp_path, _private(run_dir)) != 0
     err = "".join(capfd.readouterr())
     assert f"rank 0: error: on host {socket.gethostname()}: refused: {run_dir / 'logs'} does not exist here" in err, err
     assert f"no log from rank(s) [0] ({log}): they did not start, or refused before writing one" in err, err
-    assert not (tmp_path / "rank_0.json").exists()  # the worker never ran
+    assert not (tmp_path / "worker.json").exists()  # the worker never ran
     with pytest.raises(BitdetError, match=rf"rank\(s\) \[0\] exited 0 but {re.escape(str(log))} is not here"):
-        _allreduce(run_dir, tmp_path, _one_rank(_private(run_dir, f'mkdir "{run_dir}/logs"')), 1)
-    assert (tmp_path / "rank_0.json").exists()
+        _one_rank(run_dir, tmp_path, _private(run_dir, f'mkdir "{run_dir}/logs"'))
+    assert (tmp_path / "worker.json").exists()
 
 
 @pytest.mark.timeout(300)
@@ -145,17 +148,14 @@ def test_a_rank_started_without_the_launchs_environment_is_refused_naming_each_v
     wrapper.parent.mkdir()
     wrapper.write_text(f'#!/bin/sh\nexec env -u PYTHONHASHSEED NCCL_ALGO=Tree "{TORCHRUN}" "$@"\n')
     wrapper.chmod(0o755)
-    env = {"PYTHONPATH": os.pathsep.join(filter(None, [TESTS, os.environ.get("PYTHONPATH")])),
-           "PYTHONHASHSEED": "0", "NCCL_ALGO": "Ring"}
-    with through(_one_rank(torchrun=str(wrapper))):
-        rc = launch("dist_workers:allreduce", 1, {"out": str(tmp_path)}, run_dir=tmp_path / "run", env=env)
+    rc = _one_rank(tmp_path / "run", tmp_path, torchrun=str(wrapper), PYTHONHASHSEED="0", NCCL_ALGO="Ring")
     err = "".join(capfd.readouterr())  # a launcher's rank tees stderr with stdout
     assert rc != 0, err
     refusal = next((line for line in err.splitlines() if "did not start with the environment" in line), err)
     assert refusal.startswith(f"rank 0: error: on host {socket.gethostname()}: refused:"), refusal
     assert "PYTHONHASHSEED='0' missing" in refusal and "NCCL_ALGO='Ring' but 'Tree' here" in refusal, refusal
     assert refusal in (tmp_path / "run" / "logs" / "rank_00000.log").read_text()  # teed before refusing
-    assert not (tmp_path / "rank_0.json").exists()  # the worker never ran
+    assert not (tmp_path / "worker.json").exists()  # the worker never ran
 
 
 @pytest.mark.megatron_lm
