@@ -169,6 +169,7 @@ KERNEL_S = 2e-6           # GPU time floor of one small queued kernel
 LEVEL2_KERNELS = 8        # per device and step: cat, keys, add, shift, xor, per-job sums (shards.Pending.launch)
 LEAF_BYTES = 150          # a digest file's bytes per tensor leaf besides its chunk digests (names, dtype, shape)
 LEAVES = 4 * 6 * 52       # tensor leaves per rank: ~6 tensors a layer x 52 layers, each as param, main, 2 moments
+TENSORS = 6 * 52          # parameter tensors of a DDP buffer family (main params and moments: one tensor each)
 
 # name: (total params, active params, routed-expert params, {GPUs: (TP, PP, EP)}). Layout: the smallest
 # TP with data-parallel size <= 768 (one sequence per replica at least); 56B at TP 8 (its state per GPU).
@@ -189,8 +190,23 @@ def sharded_regions(params: float, replicas: int) -> list[float]:
     return [2 * params / replicas, 2 * params / (replicas * CHECK_K), 4 * params / replicas, 4 * params / replicas]
 
 
-def projection_rows() -> list[dict]:
-    """Per model and GPU count: bytes per rank per step, time and % of the step, today vs sharded."""
+def replicated_regions(params: float, replicas: int) -> tuple[list[float], int]:
+    """(bytes per job, fused kernels) per rank of one DDP buffer family without the distributed
+    optimizer (``--bf16``): bf16 params, fp32 grads, fp32 main params and Adam's two fp32 moments, all
+    replicated, each a slice plus the step's check chunk (1/K of a slice). The buffers are contiguous
+    (a kernel a job); main params and moments are one tensor a parameter (a kernel per tensor the
+    slice touches: ``TENSORS`` / DP + 1, and 2 for the check chunk)."""
+    sizes = [2, 4, 4, 4, 4]
+    if replicas == 1:
+        return [b * params for b in sizes], 2 + 3 * TENSORS
+    jobs = [b * params / replicas * f for b in sizes for f in (1, 1 / CHECK_K)]
+    return jobs, 4 + 3 * (-(-TENSORS // replicas) + 1 + 2)
+
+
+def projection_rows(distopt: bool = True) -> list[dict]:
+    """Per model and GPU count: bytes per rank per step, time and % of the step, today vs sharded
+    (``distopt``: Megatron-LM's ``--use-distributed-optimizer``; else every buffer and Adam's moments
+    replicated, ``replicated_regions``)."""
     rows = []
     for name, (total, active, experts, layouts) in MODELS.items():
         dense = total - experts
@@ -199,18 +215,25 @@ def projection_rows() -> list[dict]:
             p_rank = dense / (tp * pp) + experts / (ep * pp)
             step = 6 * active * TOKENS / (n * H100_BF16 * MFU)
             today = 6 * p_rank
-            jobs = sharded_regions(dense / (tp * pp), dp)
-            if experts:
-                jobs += sharded_regions(experts / (ep * pp), edp)
+            if distopt:
+                jobs = sharded_regions(dense / (tp * pp), dp)
+                if experts:
+                    jobs += sharded_regions(experts / (ep * pp), edp)
+                kernels = len(jobs) + LEVEL2_KERNELS  # fused: one kernel a job's matrix (a DDP buffer's bytes)
+            else:
+                jobs, kernels = replicated_regions(dense / (tp * pp), dp)
+                if experts:
+                    more, k = replicated_regions(experts / (ep * pp), edp)
+                    jobs, kernels = jobs + more, kernels + k
+                kernels += LEVEL2_KERNELS
             new = sum(jobs)
-            kernels = len(jobs) + LEVEL2_KERNELS  # fused: one kernel a job's matrix (a DDP buffer's bytes)
             eager_kernels = sum(4 * -(-b // BLOCK) for b in jobs) + LEVEL2_KERNELS
             t_today = today / D2H + today / HOST_XXH3
             t_ideal = new / H100_HBM
             t_coded = new * PASSES / H100_HBM + kernels * KERNEL_S
             t_eager = new * EAGER_PASSES / H100_HBM + eager_kernels * KERNEL_S
             snapshot_old = 2 * p_rank + 12 * p_rank / dp  # bf16 params + fp32 main, exp_avg, exp_avg_sq (distopt)
-            rows.append({"model": name, "gpus": n, "tp": tp, "pp": pp, "ep": ep, "dp": dp, "step_s": step,
+            rows.append({"model": name, "gpus": n, "tp": tp, "pp": pp, "ep": ep, "dp": dp, "edp": edp, "experts": experts, "step_s": step,
                          "today_bytes": today, "today_s": t_today, "new_bytes": new, "ideal_s": t_ideal,
                          "coded_s": t_coded, "kernels": kernels, "eager_s": t_eager,
                          "eager_kernels": eager_kernels, "snapshot_old": snapshot_old,
@@ -242,6 +265,17 @@ def print_projection() -> None:
               f"{_b(r['today_bytes'])} | {_t(r['today_s'])} | {pct(r['today_s'])} | {_b(r['new_bytes'])} | "
               f"{_t(r['ideal_s'])} | {pct(r['ideal_s'])} | {_t(r['coded_s'])} ({r['kernels']:.0f} kernels) | "
               f"{pct(r['coded_s'])} | {_t(r['eager_s'])} ({r['eager_kernels']:.0f} kernels) | {pct(r['eager_s'])} |")
+    print("\nWithout the distributed optimizer (every buffer and Adam's moments replicated and replica-checked):\n")
+    print("| model | GPUs | TP/PP/EP, DP | step | bytes/rank | time at HBM | % | as coded (fused): time | as coded: % | "
+          "replica check: every copy within (steps) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in projection_rows(distopt=False):
+        pct = lambda t: f"{t / r['step_s'] * 100:.3g}%"  # noqa: E731
+        groups = (r["dp"], r["edp"]) if r["experts"] else (r["dp"],)  # dense, then expert buffers
+        bound = ", ".join(f"{d * CHECK_K:,}" for d in groups if d > 1) or "-"
+        print(f"| {r['model']} | {r['gpus']:,} | {r['tp']}/{r['pp']}/{r['ep']}, {r['dp']} | {_t(r['step_s'])} | "
+              f"{_b(r['new_bytes'])} | {_t(r['ideal_s'])} | {pct(r['ideal_s'])} | {_t(r['coded_s'])} "
+              f"({r['kernels']:.0f} kernels) | {pct(r['coded_s'])} | {bound} |")
     print("\n| model | GPUs | full-state snapshot per rank | all ranks | digest snapshot per rank | all ranks |")
     print("|---|---|---|---|---|---|")
     for r in projection_rows():

@@ -9,11 +9,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT))
 
-from bench_fingerprint_scale import parse_bytes, projection_rows, sharded_regions  # noqa: E402
+from bench_fingerprint_scale import parse_bytes, projection_rows, replicated_regions, sharded_regions  # noqa: E402
 
 
-def _row(model: str, gpus: int) -> dict:
-    return next(r for r in projection_rows() if r["model"] == model and r["gpus"] == gpus)
+def _row(model: str, gpus: int, distopt: bool = True) -> dict:
+    return next(r for r in projection_rows(distopt) if r["model"] == model and r["gpus"] == gpus)
 
 
 def test_todays_design_reproduces_the_issues_projection():
@@ -37,9 +37,17 @@ def test_sharded_bytes_fall_as_one_over_dp():
     assert _row("Nemotron-H 56B", 6144)["new_bytes"] == 10.5 * 56e9 / 8 / 768
 
 
+def test_without_the_distributed_optimizer_every_buffer_and_both_moments_are_replicated():
+    """bf16 params, fp32 grads, main params and two moments (18 bytes a parameter), each a slice plus
+    the step's check chunk: 22.5 / DP bytes a parameter."""
+    assert sum(replicated_regions(1e9, 1)[0]) == 18e9
+    assert sum(replicated_regions(1e9, 4)[0]) == 18e9 * (1 + 1 / 4) / 4
+    assert round(_row("Nemotron-H 56B", 6144, distopt=False)["new_bytes"]) == round(22.5 * 56e9 / 8 / 768)
+
+
 def test_project_prints_both_tables_and_sizes_parse():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "bench_fingerprint_scale.py"), "--project"],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.count("| Nemotron") == 24 and "full-state snapshot per rank" in out.stdout
+    assert out.stdout.count("| Nemotron") == 36 and "full-state snapshot per rank" in out.stdout
     assert (parse_bytes("4GiB"), parse_bytes("1MiB"), parse_bytes("512")) == (4 << 30, 1 << 20, 512)
