@@ -15,13 +15,15 @@ The same planted op under Megatron-LM's own ``pretrain_mamba.py``: ``examples.pl
 embedding path (``weight[ids]``, backward ``index_put_(accumulate=True)``) without torch's
 deterministic algorithms; run it with ``determinism.mode=false`` (torch's flag off).
 
-``thread_order_gather`` is that embedding lookup made certain, for tests: ``weight[ids]`` whose backward
-(``thread_order_index_add``) adds the repeated rows in an os.urandom order on more than one thread without
-torch's deterministic algorithms, in index order otherwise. The real kernel's order changes only while two
-threads add into one row at the same moment, which a CPU need not do in a given run.
+``thread_order_provider`` is that embedding made certain, for tests: its lookup is ``thread_order_gather``
+(``weight[ids]``) whose backward, ``thread_order_index_add``, adds the repeated rows in an os.urandom order
+on more than one thread without torch's deterministic algorithms, in index order otherwise. The real
+kernel's order changes only while two threads add into one row at the same moment, which a CPU need not do
+in a given run.
 
 ``autotune_provider`` makes the dense MLP linears pick a split-K kernel configuration by timing the
-candidates at run time (an autotuner): runs differ from step 1 by the choices timing noise makes.
+candidates at run time (an autotuner on a noisy benchmark: a planted os.urandom jitter on each time):
+runs differ from step 1 by the choices the noise makes.
 ``fused_aux_loss_provider`` computes the MoE load-balancing loss with per-expert sums accumulated in
 arrival order (a fused aux-loss kernel with atomics): only the aux loss differs.
 """
@@ -159,6 +161,41 @@ thread_order_gather.register_autograd(
                                                                  setattr(ctx, "rows", inputs[0].shape[0])))
 
 
+class ThreadOrderLookup(torch.overrides.TorchFunctionMode):
+    """Routes ``weight[ids]`` (megatron's deterministic-mode embedding lookup) to thread_order_gather."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.Tensor.__getitem__ and args[0] is self.weight:
+            return thread_order_gather(*args)
+        return func(*args, **(kwargs or {}))
+
+
+def plant_thread_order(embedding) -> None:
+    """Puts megatron's VocabParallelEmbedding on its deterministic-mode path with the lookup planted."""
+    embedding.deterministic_mode = True
+    forward = embedding.forward
+
+    def planted(input_):
+        with ThreadOrderLookup(embedding.weight):
+            return forward(input_)
+
+    embedding.forward = planted
+
+
+def thread_order_provider(recipe, config, *, pre_process: bool = True, post_process: bool = True):
+    """The default hybrid whose embedding's backward sums repeated token rows in thread order (planted)."""
+    from megatron_bitdet.model.builder import default_model_provider
+
+    model = default_model_provider(recipe, config, pre_process=pre_process, post_process=post_process)
+    if pre_process:
+        plant_thread_order(model.embedding.word_embeddings)
+    return model
+
+
 # --------------------------------------------------------------------------- a run-time kernel choice
 AUTOTUNE_SPLITS = (1, 2, 4, 8)
 
@@ -196,9 +233,12 @@ SPLITK_OPS = {n: _splitk_op(n) for n in AUTOTUNE_SPLITS}
 class AutotunedLinear(torch.nn.Module):
     """A TP1 linear without bias whose kernel configuration (split count) is picked by timing every
     candidate once on the live input at each call and keeping the fastest, like an autotuner whose
-    cache never hits. The candidates cost about the same, so timing noise decides: two runs pick
-    differently (measured here: the 1-split kernel wins ~2 calls in 3) and round differently from
-    their first step."""
+    cache never hits, on a benchmark noisier than the candidates' differences: each measured time gets an
+    os.urandom draw of up to JITTER x the slowest candidate's. The machine's own timing noise need not
+    decide (here the 1-split kernel won ~2 calls in 3; a quiet fast CPU may pick it every time); with the
+    draw two runs pick differently and round differently from their first step, on any machine."""
+
+    JITTER = 10
 
     def __init__(self, linear: torch.nn.Module):
         super().__init__()
@@ -207,15 +247,14 @@ class AutotunedLinear(torch.nn.Module):
     def _tune(self, x) -> int:
         import time
 
-        best, pick = None, AUTOTUNE_SPLITS[0]
+        times = {}
         with torch.no_grad():
             for splits in AUTOTUNE_SPLITS:
                 t0 = time.perf_counter_ns()
                 SPLITK_OPS[splits](x.detach(), self.weight.detach())
-                dt = time.perf_counter_ns() - t0
-                if best is None or dt < best:
-                    best, pick = dt, splits
-        return pick
+                times[splits] = time.perf_counter_ns() - t0
+        noise, spread = random.SystemRandom(), self.JITTER * max(times.values())
+        return min(times, key=lambda splits: times[splits] + noise.uniform(0, spread))
 
     def forward(self, x):
         return SPLITK_OPS[self._tune(x)](x, self.weight), None

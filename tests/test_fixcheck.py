@@ -1,6 +1,8 @@
-"""From divergence to validated fix on the real CPU nondeterminism (docs/localize.md's worked example,
-its commands as written): megatron's deterministic embedding path without torch's deterministic algorithms, whose
-backward index_put_(accumulate=True) adds repeated token rows in thread order on 2 threads.
+"""From divergence to validated fix on a thread-ordered accumulation (docs/localize.md's worked example, its
+commands as written): megatron's deterministic embedding path without torch's deterministic algorithms, whose
+backward adds repeated token rows in thread order on 2 threads. Planted (examples.planted_nondeterminism:
+thread_order_provider, the rows summed in an os.urandom order): the real index_put_(accumulate=True) does the
+same only while two threads add into one row at the same moment, which a CPU need not do in a given run.
 
 A pair of runs diverges; `bitdet localize` climbs to the op and ends with the kernel rung (the op's
 inputs captured in both re-runs, replayed in a fresh process: thread dependence and torch's
@@ -20,10 +22,9 @@ from megatron_bitdet.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = "recipes/nemotron_h_tiny.yaml"
-PROVIDER = "examples.planted_nondeterminism:index_put_provider"
-# index_put_ splits across threads only above its grain size: 2048 tokens x hidden 64 per micro-batch
-ORIGINAL = ["determinism.mode=false", "model.seq_length=512", "training.micro_batch_size=4",
-            "training.iterations=2", "training.lr_schedule.warmup_iters=1"]
+PROVIDER = "examples.planted_nondeterminism:thread_order_provider"
+OP = "bitdet_example.thread_order_index_add.default"
+ORIGINAL = ["determinism.mode=false", "training.iterations=2", "training.lr_schedule.warmup_iters=1"]
 pytestmark = pytest.mark.timeout(900)
 
 
@@ -88,9 +89,9 @@ def fixed(base, localized):
 def test_localize_ends_with_the_kernel_rung_verdict(localized, base):
     rc, out = localized
     assert rc == 1, out
-    assert "culprit: aten._index_put_impl_.default in module embedding.word_embeddings" in out
+    assert f"culprit: {OP} in module embedding.word_embeddings" in out
     kernel = next(line for line in out.splitlines() if line.startswith("kernel:"))
-    assert "aten._index_put_impl_.default (accumulate, unsafe) — " in kernel
+    assert f"kernel:  {OP} — " in kernel
     assert "at 1 thread" in kernel and "depends on thread scheduling" in kernel
     assert "torch has a deterministic variant" in kernel
     assert "[parallel_accumulation_thread_order]" in out
@@ -104,7 +105,7 @@ def test_fixcheck_validates_classifies_and_measures_the_fix(fixed):
     rc, out, result = fixed
     assert rc == 0, out
     assert "original diverges, fixed matches" in out
-    assert "original diverges (step 1, aten._index_put_impl_.default), fixed matches bitwise over 2 steps" in out
+    assert f"original diverges (step 1, {OP}), fixed matches bitwise over 2 steps" in out
     assert "fix:       corrects the implementation" in out
     assert result["kind"] == "corrects" and [c["key"] for c in result["changes"]] == ["determinism.mode"]
     assert result["fixed"]["matched"] and all(p["complete"] and p["steps_compared"] == 2 for p in result["fixed"]["pairs"])

@@ -32,19 +32,6 @@ def gather_rows(weight, ids):
     return thread_order_gather(weight, ids)
 
 
-class ThreadOrderLookup(torch.overrides.TorchFunctionMode):
-    """Routes ``weight[ids]`` (megatron's deterministic-mode lookup) to the planted thread_order_gather."""
-
-    def __init__(self, weight):
-        super().__init__()
-        self.weight = weight
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func is torch.Tensor.__getitem__ and args[0] is self.weight:
-            return gather_rows(*args)
-        return func(*args, **(kwargs or {}))
-
-
 def _gather_inputs():
     gen = torch.Generator().manual_seed(GEN_SEED)
     return _randn(64, 64, gen=gen), torch.randint(0, 64, (8192,), generator=gen)  # every row repeated ~128x
@@ -176,13 +163,11 @@ def embedding_builder(layout: Layout):
     """megatron's VocabParallelEmbedding in deterministic_mode, its lookup's backward the planted thread-ordered sum."""
     from megatron.core.tensor_parallel import VocabParallelEmbedding
 
-    class PlantedEmbedding(VocabParallelEmbedding):
-        def forward(self, input_):
-            with ThreadOrderLookup(self.weight):
-                return super().forward(input_)
+    from examples.planted_nondeterminism import plant_thread_order
 
     config = layout.transformer_config(num_layers=1, hidden_size=64, num_attention_heads=4)
-    embedding = PlantedEmbedding(64, 64, init_method=torch.nn.init.normal_, config=config)
+    embedding = VocabParallelEmbedding(64, 64, init_method=torch.nn.init.normal_, config=config)
+    plant_thread_order(embedding)
     return embedding, (torch.randint(0, 64, (8, 1024)),)
 
 
