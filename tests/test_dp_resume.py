@@ -65,12 +65,16 @@ def test_dp4_checkpoint_resumed_at_dp2_matches_the_uninterrupted_run(resumed_at_
     components = {c["component"] for c in checks}
     assert {"parameters", "optimizer", "scheduler", "data", "rng.torch_cpu", "rng.tracker"} <= components
     assert not [c for c in checks if c["component"] == "optimizer" and ".param" in c["key"]]
+    # ... which are compared whole: 4 ranks' logical partials added against 2 ranks'
+    logical = {c["key"].split()[0]: c["equal"] for c in checks if c["component"] == "logical"}
+    assert logical == {"params": True, "exp_avg": True, "exp_avg_sq": True}, logical
 
 
 @pytest.mark.slow
-def test_a_skipped_optimizer_restore_across_dp_shows_in_the_outputs(recipe, dp4_run, resumed_at_dp2, tmp_path):
-    """The optimizer shards are not compared leaf by leaf across DP: a restore that skips exp_avg must show in
-    the next step's outputs. Continues from the correct chain's fresh segment (one launch, at DP 2)."""
+def test_a_skipped_optimizer_restore_across_dp_is_named_at_the_restore(recipe, dp4_run, resumed_at_dp2, tmp_path):
+    """The optimizer shards are not compared leaf by leaf across DP: a restore that skips exp_avg is named
+    at the restore by the logical digests (every rank's partial added) and shows in the next step's
+    outputs. Continues from the correct chain's fresh segment (one launch, at DP 2)."""
     fresh = resumed_at_dp2[1] / "segment_00_0000000-0000002"
     launch = recipe_segment(recipe, nproc=4, resume_nproc=2, faults=["optimizer.exp_avg"])
 
@@ -83,9 +87,10 @@ def test_a_skipped_optimizer_restore_across_dp_shows_in_the_outputs(recipe, dp4_
     report = run_chain(segment, name=recipe.name, steps=[2], iterations=3, nproc=2, out_dir=tmp_path,
                        reference_dir=dp4_run, faults=["optimizer.exp_avg"], reference_ranks=rank_map(recipe, 4, 2))
     resumed = report.points[1]
-    assert not report.holds and resumed.state_holds and resumed.first_output_divergence == 3, report.summary()
-    assert "digest:logical_params" in resumed.divergent_metrics
-    assert "not compared leaf by leaf: optimizer per-param shards" in report.summary()
+    assert not report.holds and resumed.failing_components == ["logical"], report.summary()
+    assert [c.key for c in report.failures] == ["exp_avg (every rank's partial added)"], report.summary()
+    assert resumed.first_output_divergence == 3 and "digest:logical_params" in resumed.divergent_metrics
+    assert "resume at 2: logical differs (rank 0, exp_avg (every rank's partial added)" in report.summary()
 
 
 def test_replay_of_a_dp4_step_on_one_rank_reproduces_it(dp4_run, tmp_path, capsys):

@@ -13,7 +13,8 @@ state is tens of GB at production scale and a resume point's full copy terabytes
 one entry per leaf of the state (``leaves``: components ``parameters`` or ``bf16_compute_copy`` +
 ``fp32_main_params``, ``buffers``, ``fp8_scaling``, NVFP4's ``fp4_sr_rng`` / ``fp4_hadamard_signs`` /
 ``fp4_block_scales`` / ``fp4_values``, ``optimizer``, ``scheduler``, ``rng.<generator>``,
-``data``; keys dotted, list items ``[i]``). A value is an int, bool, string or null as it is;
+``data``, ``logical`` (the rank's partial ``lsum64`` digests: ``params``, ``main_params``, ``exp_avg``,
+``exp_avg_sq``); keys dotted, list items ``[i]``). A value is an int, bool, string or null as it is;
 ``{"float": "<16 hex digits>"}`` (the IEEE-754 bits, so -0.0 and NaN payloads survive); or
 ``{"tensor": {"dtype", "shape", "chunks"}}``: the position-sensitive digest (``fingerprint.tensor.
 row_digests``, computed on the tensor's own device; 16 hex digits) of every ``chunk_bytes`` piece of
@@ -40,6 +41,7 @@ from megatron_bitdet.rundir import load_tensors, read_result, snapshot_full_path
 from megatron_bitdet.train import precision
 from megatron_bitdet.train.checkpoint import capture_rng
 from megatron_bitdet.train.module_state import capture_module_rng, module_buffers
+from megatron_bitdet.train.step_fingerprints import logical_partials
 
 FORMAT = "bitdet-snapshot-digests"
 VERSION = 1
@@ -123,8 +125,11 @@ def _optimizer_state(optimizer) -> dict:
 def live_state(*, ddp_modules, optimizer, scheduler, data) -> dict:
     """Components: ``parameters`` (in a mixed-precision run ``bf16_compute_copy``, next to its source
     ``fp32_main_params``), ``buffers``, ``fp8_scaling`` when FP8 keeps state, NVFP4's components
-    (``precision.fp4_state``), optimizer, scheduler,
-    rng, data. The live tensors themselves (not copies): read them before the next step."""
+    (``precision.fp4_state``), optimizer, scheduler, rng, data, and ``logical``: this rank's partial
+    logical digests of the params, main params and optimizer state (``step_fingerprints.logical_partials``:
+    their sum over the ranks does not depend on the data-parallel layout, so a restore at another DP size
+    compares the distributed optimizer's shards through it). The live tensors themselves (not copies):
+    read them before the next step."""
     params = {f"{i}.{name}": p.detach() for i, m in enumerate(ddp_modules) for name, p in m.module.named_parameters()}
     compute_copy = precision.compute_copy_name(ddp_modules)
     chunks = [m.module for m in ddp_modules]
@@ -138,7 +143,7 @@ def live_state(*, ddp_modules, optimizer, scheduler, data) -> dict:
         state["fp8_scaling"] = dict(fp8)
     state.update(precision.fp4_state(ddp_modules))
     state.update({"optimizer": _optimizer_state(optimizer), "scheduler": dict(scheduler.state_dict()), "rng": rng,
-                  "data": data.state_dict()})
+                  "data": data.state_dict(), "logical": logical_partials(ddp_modules, optimizer)})
     return state
 
 

@@ -14,10 +14,11 @@ Across data-parallel sizes (``resume_nproc``): segment 0 runs at the reference's
 there; every resumed segment runs at ``resume_nproc``, so the first restore crosses DP (the checkpoint
 reshards, ``train.checkpoint``). Each resumed rank's state is compared with the reference rank whose
 per-rank state it continued from (the same model-parallel coordinates, lowest DP rank), except the
-distributed optimizer's shards, laid out by DP: they are not compared leaf by leaf (the report names them)
-and are covered by the outputs of the steps after the resume, compared on the layout-independent
-fingerprints of ``determinism.reductions: dp_invariant``. Without that mode a run's bits follow its DP
-size, so a verdict across DP is refused for scope before any launch.
+distributed optimizer's shards, laid out by DP: they are not compared leaf by leaf (the report names them);
+their values and Adam's moments are compared whole through the snapshots' logical digests, every rank's
+partial added on each side (``compare_logical``), and the outputs of the steps after the resume are
+compared on the layout-independent fingerprints of ``determinism.reductions: dp_invariant``. Without
+that mode a run's bits follow its DP size, so a verdict across DP is refused for scope before any launch.
 
 Snapshots are digest files (``train.snapshot``): per-tensor chunk digests, computed on the device, no
 copy of the state on disk. A tensor whose digests differ gets its element counts from a targeted second
@@ -254,10 +255,12 @@ def _check_reference(reference_dir: Path, recipe, resume_at: list[int], nproc: i
 
 
 DP_INVARIANT = "dp_invariant"
-# Snapshot leaves laid out by the data-parallel size: the distributed optimizer's per-param shards.
+# Snapshot leaves laid out by the data-parallel size: the distributed optimizer's per-param shards, and
+# each rank's partial logical digests (their sum over the ranks is compared instead: ``compare_logical``).
 _DP_SHARDED = re.compile(r"optimizer\d+\.group\d+\.param\d+\.")
-DP_SHARDED_NOTE = ("optimizer per-param shards (laid out by the data-parallel size; covered by the outputs "
-                   "of the steps after the resume)")
+DP_SHARDED_NOTE = ("optimizer per-param shards (laid out by the data-parallel size): their values and Adam's "
+                   "moments compared through the logical digests, every rank's partial added; the per-param "
+                   "step counts by the outputs of the steps after the resume")
 
 
 def check_other_dp(recipe, nproc: int, other: int, flag: str) -> None:
@@ -353,6 +356,8 @@ def run_chain(segment, *, name: str, steps: list[int], iterations: int, nproc: i
         if start:
             point_checks = [c for rank in range(nproc) for c in compare_snapshots(
                 reference_dir, run_dir, start, rank, ref_rank=ref_rank(rank), dp_sharded=reference_ranks is not None)]
+            if reference_ranks is not None:
+                point_checks += compare_logical(reference_dir, run_dir, start, world=nproc)
             count_differences(segment, point_checks, reference_dir=reference_dir, run_dir=run_dir, load_from=previous,
                               step=start, where=out_dir / f"second_pass_{start:07d}", ref_rank=ref_rank)
             checks += point_checks
@@ -434,7 +439,8 @@ def compare_snapshots(reference_dir, resumed_dir, step: int, rank: int, *, ref_r
     ref, res = (read_snapshot(snapshot_path(d, step, r)).leaves
                 for d, r in ((reference_dir, rank if ref_rank is None else ref_rank), (resumed_dir, rank)))
     if dp_sharded:
-        ref, res = ({leaf: v for leaf, v in side.items() if not (leaf[0] == "optimizer" and _DP_SHARDED.match(leaf[1]))}
+        ref, res = ({leaf: v for leaf, v in side.items()
+                     if not (leaf[0] == "optimizer" and _DP_SHARDED.match(leaf[1])) and leaf[0] != "logical"}
                     for side in (ref, res))
     checks = []
     for component, key in dict.fromkeys([*ref, *res]):
@@ -442,6 +448,30 @@ def compare_snapshots(reference_dir, resumed_dir, step: int, rank: int, *, ref_r
         equal, detail = bitwise_equal(a, b)
         by_digest = not equal and _same_layout(a, b)
         checks.append(StateCheck(step, rank, component, key, equal, detail, by_digest))
+    return checks
+
+
+def compare_logical(reference_dir, resumed_dir, step: int, *, world: int) -> list[StateCheck]:
+    """Across data-parallel sizes: the snapshots' ``logical`` partials at ``step`` (params, main params,
+    Adam's ``exp_avg`` / ``exp_avg_sq``), every rank's added on each side (the reference's world from
+    its manifest, ``world`` resumed ranks), one check per name: the distributed optimizer's shards,
+    which no leaf of one rank matches at another DP size, compared whole."""
+    from megatron_bitdet.enforce.manifest import load_manifest
+    from megatron_bitdet.fingerprint.logical import combine_partials
+    from megatron_bitdet.train.snapshot import read_snapshot
+
+    sides = []
+    for where, n in ((reference_dir, load_manifest(reference_dir)["scope"]["world_size"]), (resumed_dir, world)):
+        parts: dict[str, list] = {}
+        for rank in range(n):
+            for (component, key), value in read_snapshot(snapshot_path(where, step, rank)).leaves.items():
+                if component == "logical":
+                    parts.setdefault(key, []).append(value)
+        sides.append({key: combine_partials(values) for key, values in parts.items()})
+    checks = []
+    for key in dict.fromkeys([*sides[0], *sides[1]]):
+        equal, detail = bitwise_equal(sides[0].get(key, _MISSING), sides[1].get(key, _MISSING))
+        checks.append(StateCheck(step, 0, "logical", f"{key} (every rank's partial added)", equal, detail))
     return checks
 
 
