@@ -164,7 +164,10 @@ def optimizer_regions(ddp_modules, optimizer) -> list[Region] | None:
         return []
     states = {}
     for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
-        states.update(opt.optimizer.state)
+        state = getattr(getattr(opt, "optimizer", None), "state", None)
+        if state is None:  # not a megatron optimizer over a torch one: its state is not known here
+            return []
+        states.update(state)
     regions = []
     for name, b, group in _buffers(ddp_modules):
         if b.ddp_config.use_distributed_optimizer:
