@@ -237,6 +237,36 @@ def test_megatron_args_renders_the_recipes_model_and_check_agrees_with_the_recip
         assert fp8["recipe"] == "none"
 
 
+@megatron_lm
+@pytest.mark.parametrize("name, code", [("nemotron_h_tiny", 0), ("nemotron_h_tiny_bf16", 0), ("nemotron_h_tiny_fp8", 3),
+                                        ("nemotron_h_tiny_fp4", 2), ("nemotron_h_8b", 3), ("nemotron3_nano", 3)])
+def test_a_shown_recipe_is_the_recipe_and_agrees_with_its_rendered_line(name, code, tmp_path, capsys, monkeypatch):
+    """``bitdet recipe show R > r.yaml`` writes R: loaded back, every resolved value is R's; r.yaml sets every key,
+    so judged with R's rendered line it must agree key by key: a key left null (``model.kv_channels``: hidden /
+    heads) with the value Megatron derives, a section the recipe turns off (MoE without experts) with
+    nothing. The outcome is R's own (FP8 cannot run here: exit 3; FP4 with the local spec is refused: 2; the
+    large recipes render TE's spec: exit 3), never a disagreement."""
+    from megatron_bitdet.recipe import load_recipe
+
+    assert {p.stem for p in (REPO / "recipes").glob("*.yaml")} == {"nemotron_h_tiny", "nemotron_h_tiny_bf16",
+        "nemotron_h_tiny_fp8", "nemotron_h_tiny_fp4", "nemotron_h_8b", "nemotron3_nano"}  # every shipped recipe
+    assert bitdet(["recipe", "show", name]) == 0
+    shown = tmp_path / "r.yaml"
+    shown.write_text(capsys.readouterr().out)
+    recipe = load_recipe(name)
+    assert load_recipe(str(shown)).to_dict() == recipe.to_dict()
+    assert bitdet(["recipe", "megatron-args", name]) == 0
+    flags = shlex.split(capsys.readouterr().out)
+    monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")  # Megatron's validate_args asks for it at TP > 1
+    p = recipe.parallel
+    rc = bitdet(["megatron-lm", "--check", "--nproc", str(p.tensor * p.pipeline * p.context * p.expert),
+                 script("pretrain_mamba.py"), *flags, "--mock-data", "--tokenizer-type", "NullTokenizer",
+                 "--deterministic-mode", "--recipe", str(shown)])
+    captured = capsys.readouterr()
+    assert rc == code and "disagree" not in captured.err, captured.err
+    assert code == 2 or f"OK {recipe.name}: " in captured.out
+
+
 def test_pasted_output_flags_are_dropped_with_one_note_each(capsys):
     from megatron_bitdet.megatron_lm.launch import pasted
 

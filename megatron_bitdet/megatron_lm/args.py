@@ -272,6 +272,14 @@ def derived_dict(args) -> dict:
     return out
 
 
+# recipe keys whose null stands for a value derived from other keys (as bitdet's builder and megatron-core derive
+# it): a recipe leaving them null agrees with the value Megatron derives, not with a flag left unset
+NULL_MEANS = {
+    "model.kv_channels": lambda r: r["model"]["hidden_size"] // r["model"]["num_attention_heads"],
+    "model.moe.ffn_hidden_size": lambda r: r["model"]["ffn_hidden_size"],
+}
+
+
 def _same(a, b) -> bool:
     if isinstance(a, float) or isinstance(b, float):
         try:
@@ -297,12 +305,16 @@ def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str 
             _set(derived, key, value)
     conflicts = []
     if base is not None:
-        base_dict = base.to_dict()
+        base_dict, off = base.to_dict(), unused_sections(base)
         for row in TABLE:
             path = tuple(row.key.split("."))
             if path not in base._locations:
                 continue  # a schema default, not something the recipe file says
+            if row.key not in ("model.moe.num_experts", "model.fp8.recipe") and any(row.key.startswith(k) for k in off):
+                continue  # a section the recipe turns off: its switch key is compared
             mine, theirs = _get(base_dict, row.key), _get(derived, row.key)
+            if mine is None and row.key in NULL_MEANS:
+                mine = NULL_MEANS[row.key](base_dict)
             if row.key == "model.spec" and mine == "auto":
                 continue  # auto: whichever family the flags build
             if row.key == "model.moe.expert_impl" and (mine, theirs) == ("grouped", "sequential"):
@@ -335,12 +347,18 @@ def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str 
                                + "\n  ".join(exc.lines)) from None
 
 
+def unused_sections(recipe) -> list[str]:
+    """Key prefixes a recipe does not use: MoE without experts, FP8 off (their keys have no flags to render, and
+    Megatron's defaults for them are not a disagreement)."""
+    return [k for k, unused in (("model.moe.", not recipe.model.moe.num_experts),
+                                ("model.fp8.", recipe.model.fp8.recipe == "none")) if unused]
+
+
 def render_flags(recipe) -> list[str]:
     """Megatron-LM flags for a recipe's model / parallel / training sections."""
     data = recipe.to_dict()
     out: list[str] = ["--untie-embeddings-and-output-weights"]  # bitdet's models are untied; Megatron ties by default
-    off = [k for k, unused in (("model.moe.", not recipe.model.moe.num_experts),
-                               ("model.fp8.", recipe.model.fp8.recipe == "none")) if unused]
+    off = unused_sections(recipe)
     for row in TABLE:
         value = _get(data, row.key)
         if value is None or any(row.key.startswith(k) for k in off):
