@@ -2,7 +2,8 @@
 (no system site-packages, so a missing dependency fails here; pip's cache makes repeats cheap) the
 "Installing into an existing Megatron environment" block runs from a copy of the tree — torch==2.13.0
 first, the wheel built and installed with its dependencies from the package index, then
-`bitdet recipe validate nemotron_h_tiny` from another directory. There, the README's guard file runs
+`bitdet recipe validate nemotron_h_tiny` from another directory; the wheel's metadata declares the
+megatron-core range and, on Python 3.11, pip took 0.16.1 for it by itself. There, the README's guard file runs
 under pytest: the plugin is found through its entry point (no conftest, no source tree), its kernel
 and module checks pass, and its end-to-end check runs two 2-rank 3-step `bitdet train` runs and
 `bitdet compare`; `bitdet compare` of those runs is then run by hand too."""
@@ -29,6 +30,9 @@ from megatron_bitdet.compat.versions import MEGATRON_CORE
 assert version("megatron-bitdet") == megatron_bitdet.__version__
 pins = [Requirement(r) for r in requires("megatron-bitdet") if Requirement(r).name == "megatron-core"]
 assert [p.specifier for p in pins] == [MEGATRON_CORE], pins  # the metadata says what the code enforces
+import sys
+if sys.version_info < (3, 12):  # pip's own pick for the range: every 0.17+ wheel is cp312
+    assert version("megatron-core") == "0.16.1", version("megatron-core")
 from megatron_bitdet.trace import native
 assert native.SOURCE.is_file()  # the native op tracer's source ships (it is built on first use)
 print(sysconfig.get_paths()["purelib"], megatron_bitdet.__file__, resources.shipped_dir("patches"),
