@@ -203,3 +203,23 @@ def test_check_names_replicas_that_disagree_and_refuses_what_it_cannot_check(tmp
     assert "REPLICAS DISAGREE: 1 disagreeing of 10 chunks" in out
     assert ("step 4: params 0.dense.0 bytes 0-32: ranks 0, 1 disagree with no majority: every one a suspect "
             "[rank 0 0123456789abcdef, rank 1 fedcba9876543210]") in out
+
+
+def test_a_v2_run_compares_with_a_v3_run_on_its_own_slices_not_its_check_records(tmp_path):
+    """v2 checked a chunk of the next rank's slice, v3 the step's chunk on every replica: across the two
+    versions the check records differ by design and are left out; within one version they count."""
+    from test_compare import write_run
+
+    from megatron_bitdet.analysis.compare import compare_runs
+
+    def lines(version, checked):
+        def edit(step, rank, line):
+            _as_v2(step, rank, line)
+            line["v"] = version
+            line["slices"].append({"kind": "params", "buf": "0.dense.0", "group": "00ff00ff", "index": rank, "of": 2,
+                                   "check_of": checked, "parts": [[32 * checked, 32 * checked + 32, "0123456789abcdef"]]})
+        return edit
+
+    v2 = write_run(tmp_path / "v2", edit=lines(2, 0))
+    assert compare_runs(v2, write_run(tmp_path / "v3", edit=lines(3, 1))).verdict == "match"
+    assert compare_runs(v2, write_run(tmp_path / "v2b", edit=lines(2, 1))).verdict == "diverged"

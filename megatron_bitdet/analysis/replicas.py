@@ -1,7 +1,7 @@
 """One run's replicas checked against each other (``bitdet check RUN``), and its steps' digests combined
 from the replicas' slices.
 
-Fingerprint format v2 (``fingerprint.shards``) has every data-parallel replica digest its own slice of
+Fingerprint format v3 (``fingerprint.shards``) has every data-parallel replica digest its own slice of
 a replicated region (a DDP buffer's params, reduced grads, main params; the optimizer's per-element
 state without the distributed optimizer) and, at step ``s``, the region's check chunk ``s mod (D*K)``
 (``Region.check_chunk``): at that step all ``D`` replicas digest the same bytes, its owner as part of

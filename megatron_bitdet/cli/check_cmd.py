@@ -14,7 +14,7 @@ def register(subparsers, summary: str) -> None:
                "owner as part of its slice): chunk s mod (D x 4) of D replicas x 4 chunks, so within D x 4 steps every "
                "replica's copy of every replicated byte (params, reduced grads, main params, the optimizer's per-element "
                "state without the distributed optimizer) is compared with all the others' at one step (fingerprint "
-               "format v2). Prints what was covered and what the layout leaves uncoverable (owned shards). Exit 0: "
+               "format v3). Prints what was covered and what the layout leaves uncoverable (owned shards). Exit 0: "
                "every comparison equal and every rank's file complete; 1: replicas disagree (listed by step, buffer, "
                "byte range and the suspect replica: the one outside the majority, both of two), or INCOMPLETE (a rank's "
                "file stops early, or --allow-truncated cut one); 2: unusable input (a v1 run, a run without replicas, "

@@ -2,19 +2,21 @@
 
 One JSON line per step per rank under ``RUN_DIR/fingerprints/rank_XXXXX.jsonl`` (path: ``rundir``)::
 
-    {"v": 2, "step": 3, "rank": 0, "metrics": {"loss": "float32:3f8ccccd", ...},
+    {"v": 3, "step": 3, "rank": 0, "metrics": {"loss": "float32:3f8ccccd", ...},
      "digests": {"params": "pos64r:<hex>", "grads": "pos64r:<hex>", "buffers": "pos64r:<hex>"},
      "slices": [{"kind": "params", "buf": "0.dense.0", "group": "1f2e3d4c", "index": 0, "of": 2,
                  "sharded": false, "bytes": 717824, "parts": [[0, 90112, "<hex>"], ...]},
                 {"kind": "params", "buf": "0.dense.0", "group": "1f2e3d4c", "index": 0, "of": 2,
                  "check_of": 1, "parts": [[409600, 458752, "<hex>"]]}, ...]}
 
-v2 (``fingerprint.shards``): the digests are computed on the state's device (``pos64r``; CPU tensors
-take the host fast path, ``xxh3_64``); a DDP buffer replicated
-over ``of`` ranks is digested in slices, ``digests[kind]`` folding this rank's own chunks, ``slices``
-saying which bytes each chunk covers and which chunk of another replica's slice this rank checked.
+v3 (``fingerprint.shards``): the digests are computed on the state's device (``pos64r``; CPU tensors
+take the host fast path, ``xxh3_64``); a region replicated over ``of`` ranks is digested in slices,
+``digests[kind]`` folding this rank's own chunks, ``slices`` saying which bytes each chunk covers and
+which chunk of another replica's slice this rank checked: the step's check chunk, the same on every
+replica (``Region.check_chunk``). v2 lines (each rank checked a chunk of the next rank's slice) are
+still read: their own slices and digests are those of v3, their check records of other chunks.
 v1 lines (``xxh3_128`` of every rank's whole buffers, no ``slices``) still read; their digests are
-not comparable with v2's (``analysis.compare`` refuses to compare them).
+not comparable with v2's or v3's (``analysis.compare`` refuses to compare them).
 
 A comparison is only as good as its input: every malformed, truncated or foreign line is refused
 with its file and line (BitdetInputError, exit 2) instead of being skipped, so a "match" can never
@@ -32,8 +34,8 @@ from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.fingerprint.floatbits import decode_bits, encode_float
 from megatron_bitdet.rundir import fingerprint_path
 
-FORMAT_VERSION = 2
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3
+READABLE_VERSIONS = (1, 2, 3)
 RANK_FILE = re.compile(r"rank_(\d+)\.jsonl")
 DIGEST_PREFIX = "digest:"  # digests share the name space of metrics as "digest:<name>"
 

@@ -330,7 +330,7 @@ def logical_partials(ddp_modules, optimizer) -> dict[str, str]:
 
 
 class StepDigests:
-    """One rank's per-step digests (fingerprint format v2), launched on the state's device with no
+    """One rank's per-step digests (fingerprint format v3), launched on the state's device with no
     host sync — ``grads`` right before the optimizer consumes them, ``state`` after the step — and read
     back once, by ``resolve``, at the log point. The regions are made at the first step; the model's
     small state (buffers, generators, FP8) is found by one walk, redone only when a count of the
