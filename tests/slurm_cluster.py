@@ -1,13 +1,14 @@
-"""A real one-node Slurm cluster on this machine for the tests (``slurm_cluster``, session scope):
+"""A real one-node Slurm cluster on this machine for the tests (``slurm_cluster``, one per test module that
+uses it: started in about a second, it does not idle through the rest of the session):
 ``munged``, ``slurmctld`` and ``slurmd`` from Debian's packages (``slurm-wlm``, ``munge``: ``.ci/run``
 installs them), each started in the foreground as a child of the test process, from a minimal
-``slurm.conf`` written into a temporary folder (``SLURM_CONF`` points every client there; nothing under
-/etc is read or written): one node named after this host, ``CPUs=2``, ``proctrack/linuxproc``,
-``task/none``, munge on its own socket, ports the OS picked.
+``slurm.conf`` written into a temporary folder (``SLURM_CONF`` points every client there; no Slurm or
+munge configuration under /etc is used or written): one node named after this host, ``CPUs=2``,
+``proctrack/linuxproc``, ``task/none``, munge on its own socket, ports the OS picked.
 
-The daemons do not outlive the session: each is stopped at the end (jobs cancelled first), and each
-dies with the test process if that is killed (the parent-death signal), so a restarted session starts
-from nothing (a new folder, new ports, ``slurmctld -c``: no state read back).
+The daemons do not outlive the module: each is stopped at its end (jobs cancelled first), and each dies
+with the test process if that is killed (the parent-death signal), so a restarted session starts from
+nothing (a new folder, new ports, ``slurmctld -c``: no state read back).
 
 Without the packages (or root, which slurmd's task launch needs) the fixture skips naming why; with
 ``BITDET_REQUIRE_SLURM=1`` (``.ci/run``) that is a failure instead: CI must not go green without them.
@@ -74,16 +75,21 @@ class SlurmCluster:
         """A Slurm client command against this cluster."""
         return subprocess.run(list(argv), env={**os.environ, **self.env}, capture_output=True, text=True, **kwargs)
 
-    def logs(self) -> str:
-        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in sorted(self.dir.glob("*.log")))
+    def logs(self, pattern: str = "*.log", chars: int = 3000) -> str:
+        """The end of each daemon file matching ``pattern`` (their logs; ``*.out``: their consoles)."""
+        return "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-chars:]}"
+                         for p in sorted(self.dir.glob(pattern)))
 
     def stop(self) -> None:
         """Cancel what is still queued or running, then stop slurmd, slurmctld and munged in that order."""
-        if self.procs and self.procs[-1].poll() is None:
-            self.run("scancel", "--full", "--user", "root", timeout=30)
-            deadline = time.monotonic() + STOP_GRACE_S
-            while time.monotonic() < deadline and self.run("squeue", "-h", timeout=30).stdout.strip():
-                time.sleep(0.5)
+        if any(p.args[0] == "slurmctld" and p.poll() is None for p in self.procs):
+            try:
+                self.run("scancel", "--full", "--user", "root", timeout=30)
+                deadline = time.monotonic() + STOP_GRACE_S
+                while time.monotonic() < deadline and self.run("squeue", "-h", timeout=30).stdout.strip():
+                    time.sleep(0.5)
+            except subprocess.TimeoutExpired:
+                pass  # an unresponsive controller: the daemons are stopped below all the same
         for proc in reversed(self.procs):
             if proc.poll() is None:
                 proc.terminate()
@@ -150,8 +156,8 @@ def start(d: Path) -> SlurmCluster:
     try:
         for argv in daemons:
             with open(d / f"{argv[0]}.out", "wb") as out:
-                cluster.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT,
-                                                      preexec_fn=_die_with_parent))
+                cluster.procs.append(subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=out,
+                                                      stderr=subprocess.STDOUT, preexec_fn=_die_with_parent))
             if argv[0] == "munged":  # the socket must exist before slurmctld authenticates anything
                 _wait(lambda: sock.exists(), cluster, "munged to create its socket")
         _wait(lambda: cluster.run("sinfo", "-h", "-n", node, "-o", "%t", timeout=30).stdout.strip() == "idle",
@@ -168,17 +174,16 @@ def _wait(ready, cluster: SlurmCluster, what: str) -> None:
     while not ready():
         dead = [p.args[0] for p in cluster.procs if p.poll() is not None]
         if dead or time.monotonic() > deadline:
-            outs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-2000:]}" for p in sorted(cluster.dir.glob("*.out")))
             raise RuntimeError(f"the one-node Slurm cluster did not start (waiting for {what}; "
-                               f"{'exited: ' + ', '.join(dead) if dead else f'{START_TIMEOUT_S:.0f} s'}):\n{outs}\n"
-                               f"{cluster.logs()}")
+                               f"{'exited: ' + ', '.join(dead) if dead else f'{START_TIMEOUT_S:.0f} s'}):\n"
+                               f"{cluster.logs('*.out', 2000)}\n{cluster.logs()}")
         time.sleep(0.2)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def slurm_cluster(tmp_path_factory):
-    """The running one-node cluster, SLURM_CONF set in this process for the session (bitdet's --launcher
-    runs srun from here); skipped naming why when Slurm cannot run here, failed instead under
+    """The running one-node cluster, SLURM_CONF set in this process while it runs (bitdet's --launcher runs
+    srun from here); skipped naming why when Slurm cannot run here, failed instead under
     BITDET_REQUIRE_SLURM=1."""
     why = slurm_missing()
     if why:
