@@ -353,10 +353,11 @@ def test_a_wall_clock_stop_saves_and_the_same_line_resumes_bitwise(mamba_runs, t
     elapsed minutes with it (all-reduce MAX: every rank stops at the same step), saves and exits 0. Megatron
     reads an int (0 disables it), so -1 stops at the first check, as a job's limit would at a later one. The
     same line launched again resumes from that save: one step per launch, each byte for byte the
-    uninterrupted run's (run b); the manifest records the stop as wall-clock."""
+    uninterrupted run's (run b); the manifest records the stop as wall-clock (and, with Megatron's SIGTERM handler
+    installed, as signal driven too)."""
     runs, rcs = mamba_runs
     assert rcs["b"] == 0
-    line = [*MAMBA, *resumes(tmp_path / "ckpt"), "--exit-duration-in-mins", "-1"]
+    line = [*MAMBA, *resumes(tmp_path / "ckpt"), "--exit-duration-in-mins", "-1", "--exit-signal-handler"]
     launches = [tmp_path / f"launch{k}" for k in (1, 2)]
     for run in launches:
         assert launch(run, "pretrain_mamba.py", line) == 0
@@ -366,7 +367,8 @@ def test_a_wall_clock_stop_saves_and_the_same_line_resumes_bitwise(mamba_runs, t
         assert [(run / "fingerprints" / f"rank_{rank:05d}.jsonl").read_text().splitlines() for run in launches] == \
             [[whole[0]], [whole[1]]]
     manifest = json.loads((launches[1] / "manifest.json").read_text())
-    assert manifest["megatron_lm"]["stop"] == ["wall_clock: --exit-duration-in-mins -1"]
+    assert manifest["megatron_lm"]["stop"] == ["wall_clock: --exit-duration-in-mins -1",
+                                               "signal: --exit-signal-handler (SIGTERM)"]
 
 
 def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(mamba_runs, tmp_path, capsys):

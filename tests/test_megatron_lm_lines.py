@@ -271,11 +271,15 @@ def test_pasted_output_flags_are_dropped_with_one_note_each(capsys):
     from megatron_bitdet.megatron_lm.launch import pasted
 
     line = ["--lr", "1e-3", "--save", "ck", "--save-interval", "100000", "--load=ck", "--tensorboard-dir", "tb",
-            "--wandb-project", "p", "--wandb-exp-name", "e", "--seed", "3"]
-    assert pasted(line, "verify-resume") == ["--lr", "1e-3", "--seed", "3"]
+            "--wandb-project", "p", "--wandb-exp-name", "e", "--exit-signal-handler", "--no-load-optim", "--seed", "3",
+            "--exit-duration-in-mins", "230", "--finetune"]
+    assert pasted(line, "verify-resume") == ["--lr", "1e-3", "--seed", "3"]  # a switch drops no value with it
     notes = capsys.readouterr().err.splitlines()
     assert [n.split()[4] for n in notes] == ["--save", "--save-interval", "--load", "--tensorboard-dir",
-                                             "--wandb-project", "--wandb-exp-name"]
+                                             "--wandb-project", "--wandb-exp-name", "--exit-signal-handler",
+                                             "--no-load-optim", "--exit-duration-in-mins", "--finetune"]
+    assert notes[-1].endswith("--finetune from the line: each launch restores everything its checkpoint holds")
+    assert notes[-2].endswith("from the line: each launch stops where the workflow says (a fixed length)")
 
 
 def test_samples_based_schedule_is_chained_in_iterations():
