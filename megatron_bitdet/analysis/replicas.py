@@ -257,7 +257,8 @@ def format_result(result: CheckResult, max_details: int = 20) -> str:
     if len(result.disagreements) > max_details:
         lines.append(f"  ... {len(result.disagreements) - max_details} more (use --json for all)")
     if result.disagreements:
-        lines.append(f"  suspect replica(s): rank {', '.join(map(str, result.suspects))}")
+        named = result.suspects
+        lines.append(f"  suspect replica{'s: ranks' if len(named) > 1 else ': rank'} {', '.join(map(str, named))}")
     lines += [f"  incomplete: {why}" for why in result.incomplete]
     lines.append("covered (every replica's copy of a chunk compared with the others' at the same step; all within "
                  f"replicas x {CHECK_CHUNKS} steps):")
