@@ -255,8 +255,7 @@ def _check_reference(reference_dir: Path, recipe, resume_at: list[int], nproc: i
 
 
 DP_INVARIANT = "dp_invariant"
-# Snapshot leaves laid out by the data-parallel size: the distributed optimizer's per-param shards, and
-# each rank's partial logical digests (their sum over the ranks is compared instead: ``compare_logical``).
+# Snapshot leaves laid out by the data-parallel size: the distributed optimizer's per-param shards.
 _DP_SHARDED = re.compile(r"optimizer\d+\.group\d+\.param\d+\.")
 DP_SHARDED_NOTE = ("optimizer per-param shards (laid out by the data-parallel size): their values and Adam's "
                    "moments compared through the logical digests, every rank's partial added; the per-param "
@@ -438,10 +437,11 @@ def compare_snapshots(reference_dir, resumed_dir, step: int, rank: int, *, ref_r
 
     ref, res = (read_snapshot(snapshot_path(d, step, r)).leaves
                 for d, r in ((reference_dir, rank if ref_rank is None else ref_rank), (resumed_dir, rank)))
-    if dp_sharded:
-        ref, res = ({leaf: v for leaf, v in side.items()
-                     if not (leaf[0] == "optimizer" and _DP_SHARDED.match(leaf[1])) and leaf[0] != "logical"}
-                    for side in (ref, res))
+    # the partial logical digests: only their sums over the ranks are compared (``compare_logical``, across
+    # DP); at one DP size the leaves they digest are compared one by one
+    ref, res = ({leaf: v for leaf, v in side.items() if leaf[0] != "logical"
+                 and not (dp_sharded and leaf[0] == "optimizer" and _DP_SHARDED.match(leaf[1]))}
+                for side in (ref, res))
     checks = []
     for component, key in dict.fromkeys([*ref, *res]):
         a, b = ref.get((component, key), _MISSING), res.get((component, key), _MISSING)
