@@ -74,7 +74,6 @@ NANO = ("--hybrid-override-pattern MEM*EME --num-layers 7 --hidden-size 128 --ff
         "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --deterministic-mode").split()
 NANO_FUSIONS = {"--moe-permute-fusion": "moe_permute_fusion", "--cross-entropy-loss-fusion": "cross_entropy_loss_fusion"}
 TRAIN_SH_MACHINE = ["--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec:",
-                    "--transformer-impl transformer_engine (Megatron's default):",
                     "gradient-accumulation fusion (on by default):",
                     "masked-softmax fusion (on by default) with --bf16/--fp16:"]
 
@@ -103,8 +102,8 @@ def apply_fixes(words: list, rows: list[str]) -> list[str]:
 @megatron_lm
 def test_train_sh_check_names_only_what_this_machine_cannot_run_and_its_fixes_run_clean(tmp_path, capsys,
                                                                                     monkeypatch):
-    """train.sh's 8B case on its 8 ranks: no determinism violation; the TE spec, TE default, Apex's
-    gradient-accumulation fusion and the bf16 fused softmax in their own section (exit 3); with the rows'
+    """train.sh's 8B case on its 8 ranks: no determinism violation; the TE spec (it decides what is built: no
+    row for Megatron's --transformer-impl default), Apex's gradient-accumulation fusion and the bf16 fused softmax in their own section (exit 3); with the rows'
     fixes applied the line is clean (exit 0), and the manifest is the validated 8-rank TP 4 run."""
     line = [*train_sh(tmp_path), "--deterministic-mode"]
     check = ["megatron-lm", "--check", "--nproc", "8", script("pretrain_mamba.py")]
@@ -368,8 +367,8 @@ def test_pretrain_mamba_without_spec_names_the_spec_to_pass(capsys):
     assert rc == 3, out
     [row] = machine_section(out)
     assert row.startswith("pretrain_mamba.py without --spec: needs a layer spec")
-    assert row.endswith("fix: add --spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec --transformer-impl "
-                        "local (Transformer Engine is absent here)")
+    assert row.endswith("fix: add --spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec (Transformer "
+                        "Engine is absent here)")
 
 
 @megatron_lm

@@ -7,7 +7,10 @@ die inside the ranks, one traceback per try, is refused once, listing every flag
 apart from the determinism violations: a flag can be both (then each section names it).
 
 Without Transformer Engine every module megatron-core builds takes its local path, so the local path's
-Apex kernels are judged whatever the spec (the TE spec's own row says to switch to the local one).
+Apex kernels are judged whatever the spec (the TE spec's own row says to switch to the local one). What is
+built is decided as Megatron-LM's builders decide it: a ``--spec`` (every Mamba stack has one) builds what it
+holds, as the spec walk reads it, and ``--transformer-impl`` is read only where there is none (pretrain_gpt.py's
+own specs).
 """
 from __future__ import annotations
 
@@ -72,13 +75,13 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
         out.append(Missing("pretrain_mamba.py without --spec", "a layer spec (Megatron-LM builds no default Mamba "
                            "stack: 'You must provide a valid Mamba layer spec via --spec')",
                            f"add {TE_MAMBA_SPEC}" if te else
-                           f"add {LOCAL_MAMBA_SPEC} --transformer-impl local (Transformer Engine is absent here)"))
+                           f"add {LOCAL_MAMBA_SPEC} (Transformer Engine is absent here)"))
     if not te:
         if family == "te":
             out.append(Missing(f"--spec {' '.join(get('spec'))}", "Transformer Engine (the spec builds TE modules)",
-                               f"use {LOCAL_MAMBA_SPEC} --transformer-impl local" if mamba else
+                               f"use {LOCAL_MAMBA_SPEC}" if mamba else
                                "a spec of megatron-core's local modules, or install transformer_engine"))
-        if get("transformer_impl") == "transformer_engine":
+        if get("transformer_impl") == "transformer_engine" and spec is None and not mamba:  # else the spec builds
             out.append(Missing("--transformer-impl transformer_engine (Megatron's default)", "Transformer Engine",
                                "add --transformer-impl local"))
         if get("position_embedding_type") in ("rope", "yarn", "mrope") and get("apply_rope_fusion"):
