@@ -164,3 +164,21 @@ def test_every_verdict_command_refuses_a_run_with_a_rank_file_missing_empty_or_c
     assert bitdet(argv) == 2
     captured = capsys.readouterr()
     assert all(s in captured.out + captured.err for s in says), (captured.out[-2000:], captured.err[-2000:])
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command,rc", [("compare", 1), ("check", 1), ("localize", 2), ("doctor", 1)])
+def test_a_rank_file_that_stops_early_is_incomplete_never_a_pass(clean_dp4, tmp_path, capsys, command, rc):
+    """Rank 2's last line gone, whole lines left (a rank that stopped early): INCOMPLETE (exit 1), or
+    for localize nothing to localize (exit 2); never a match."""
+    copy = tmp_path / "run"
+    shutil.copytree(clean_dp4, copy)
+    f = copy / "fingerprints" / "rank_00002.jsonl"
+    data = f.read_bytes()
+    f.write_bytes(data[:data.rstrip(b"\n").rfind(b"\n") + 1])
+    argv = _verdict_argv(command, clean_dp4, copy, tmp_path)
+    capsys.readouterr()
+    assert bitdet(argv) == rc
+    captured = capsys.readouterr()
+    text = (captured.out + captured.err).lower()
+    assert "incomplete" in text or "stopped early" in text, text[-2000:]
