@@ -108,7 +108,7 @@ def scale_worker(rank: int, world_size: int, *, recipe: dict, steps: int, out: s
     recipe, enforcement = enforce.results[0]
     state, data = build(recipe, enforcement)
     forward_backward = get_forward_backward_func()
-    digests = StepDigests(state.ddp_modules)
+    digests = StepDigests(state.ddp_modules, optimizer=state.optimizer)  # as the loop: moments when replicated
     step_ms, fp_ms, nbytes = [], [], []
     for step in range(1, steps + 2):  # the first step warms up
         t0 = time.perf_counter()
