@@ -18,6 +18,7 @@ TESTS = Path(__file__).resolve().parent
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 CPU_ONLY = {"Tensor.numpy", "Tensor.__array__"}
+CPU_BACKEND = "/megatron_bitdet/compat/cpu_backend/"
 
 
 @pytest.fixture
@@ -43,12 +44,15 @@ def assert_no_host_sync_from_bitdet_in_a_step(record_dir: Path, steps: int) -> N
     """No host read or host-blocking op from bitdet's code inside a step, of any tensor: training state
     or not (a read of the digests' own results blocks the step on a GPU as much as one of the params).
     A numpy view (``.numpy()``, ``__array__``) of a tensor that is not training state is a CPU-only
-    path (``kernels.moe_aux``'s tree levels): it raises on a device tensor, so it never transfers."""
+    path (``kernels.moe_aux``'s tree levels): it raises on a device tensor, so it never transfers. The
+    CPU backend's seams stand in for megatron's CUDA-only code and are never installed on a GPU: their
+    host copies are megatron's own (the alltoall dispatcher's split sizes, which it copies on a GPU too)."""
     events = host_sync_recorder.read(record_dir)
     in_step = [e for e in events if e["in_step"]]
     # the recorder sees the step: megatron's own scalar reads in it (the grad norm, the loss report)
     assert any(not e["bitdet"] for e in in_step), "the recorder saw no step"
-    bad = [e for e in in_step if e["bitdet"] and (e["op"] not in CPU_ONLY or e["state"])]
+    bad = [e for e in in_step if e["bitdet"] and CPU_BACKEND not in e["caller"]
+           and (e["op"] not in CPU_ONLY or e["state"])]
     assert not bad, f"{len(bad)} host transfers / host syncs from bitdet's code inside a step, first: {bad[:3]}"
     # and after it: the digests read back once a step per rank, at the log point
     reads = [e for e in events if e["bitdet"] and "/fingerprint/shards.py:" in e["caller"] and e["op"] == "Tensor.tolist"]
