@@ -1,15 +1,16 @@
 """Cost of per-step fingerprinting as a fraction of a training step (target: <= 0.3%).
 
-At each data-parallel size asked for (``--dp``, default 1 2 4): that many rank processes (started by
+At each data-parallel size asked for (``--dp``, default 1,2,4): that many rank processes (started by
 bitdet's launcher with the run's determinism environment), a gloo world, the tiny hybrid recipe with
 ``parallel.expert=1`` (every parameter data-parallel: at DP >= 2 each replicated buffer is sharded
 over the ranks, plus one replica-check chunk a step; the distributed optimizer's grad shard is each
 rank's own), set up exactly as ``bitdet train`` does. Each round runs one training step (forward +
 backward over all micro-batches, optimizer, scheduler) and then the fingerprint work the loop does for
-it (``StepDigests``: the grads' digests, then the state's: params, the model's buffers, the generators
-it holds, the precision digests; then the digests read back and one JSON line written and flushed; the
-writer fsyncs once, at close), timing both: interleaved by construction, medians over the rounds,
-per rank; the row is the rank with the highest ratio.
+it (``StepDigests``: the grads' digests, then the state's: params, the optimizer's state where it is
+replicated (no distributed optimizer), the model's buffers, the generators it holds, the precision
+digests; then the digests read back and one JSON line written and flushed; the writer fsyncs once, at
+close), timing both: interleaved by construction, medians over the rounds, per rank; the row is the
+rank with the highest ratio.
 
 Which digest path (``--digests``): ``device`` (default) forces the ``pos64r`` path a GPU runs
 (``BITDET_DIGESTS=device``: the same torch integer ops, on the CPU tensors; the row pass as eager ops
@@ -98,7 +99,7 @@ def bench_worker(rank: int, world_size: int, *, recipe: dict, steps: int, warmup
     n_params = sum(b.param_data.numel() for m in state.ddp_modules for b in m.buffers + m.expert_parallel_buffers)
     n_modules = sum(1 for m in state.ddp_modules for _ in m.module.named_modules())  # what the state walks visit
     step_ms, fp_ms, digest_ms = [], [], []
-    writer, digests = StepFingerprintWriter(work_dir, rank), StepDigests(state.ddp_modules)
+    writer, digests = StepFingerprintWriter(work_dir, rank), StepDigests(state.ddp_modules, optimizer=state.optimizer)
     for step in range(1, steps + warmup + 1):
         t0 = time.perf_counter()
         train_step(state, data, forward_backward)
