@@ -308,6 +308,9 @@ MACHINE_ROWS = [
     ({"batch_invariant_mode": True}, "drop --batch-invariant-mode"),
     ({"cuda_graph_impl": "local"}, "drop --cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"),
     ({"moe_grouped_gemm": True}, "drop --moe-grouped-gemm"),
+    ({"no_persist_layer_norm": False}, "add --no-persist-layer-norm"),  # WrappedTorchNorm's asserts: the test below
+    ({"layernorm_zero_centered_gamma": True}, "drop --apply-layernorm-1p"),
+    ({"sequence_parallel": True}, "drop --sequence-parallel"),
     ({"pipeline_model_parallel_size": 2}, "add --untie-embeddings-and-output-weights"),  # tied: .cuda() across PP
     ({"pipeline_model_parallel_size": 2, "untie_embeddings_and_output_weights": True, "mtp_num_layers": 1},
      "drop --mtp-num-layers"),
@@ -331,6 +334,29 @@ def test_each_flag_this_machine_cannot_run_is_one_row_with_its_fix(flags, fix):
     assert missing(argparse.Namespace(**runs_here), None, "pretrain_gpt.py", "*-") == []
     rows = missing(argparse.Namespace(**{**runs_here, **flags}), None, "pretrain_gpt.py", "*-")
     assert len(rows) == 1 and rows[0].fix.startswith(fix), rows
+
+
+def test_the_local_gpt_norm_refuses_what_its_rows_name():
+    """The norm rows are megatron-core's own asserts: where Apex is absent its local GPT spec builds
+    WrappedTorchNorm, which refuses each config field the rows' flags set (the AssertionError a rank dies of);
+    without them it builds."""
+    import torch
+
+    from megatron_bitdet.compat import cpu_backend
+
+    if torch.cuda.is_available():
+        pytest.skip("judges a machine without Apex")
+    cpu_backend.install()
+    from megatron.core.models.gpt import gpt_layer_specs
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
+
+    assert gpt_layer_specs.LNImpl is WrappedTorchNorm
+    base = dict(num_layers=1, hidden_size=8, num_attention_heads=2, persist_layer_norm=False)
+    WrappedTorchNorm(TransformerConfig(**base), 8)
+    for field, tp in (("persist_layer_norm", 1), ("layernorm_zero_centered_gamma", 1), ("sequence_parallel", 2)):
+        with pytest.raises(AssertionError, match="not supported by torch LayerNorm"):
+            WrappedTorchNorm(TransformerConfig(**{**base, field: True, "tensor_model_parallel_size": tp}), 8)
 
 
 @megatron_lm

@@ -103,9 +103,15 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
                 and not _have("scaled_masked_softmax_cuda"):
             out.append(Missing("masked-softmax fusion (on by default) with --bf16/--fp16",
                                "Megatron's scaled_masked_softmax_cuda", "add --no-masked-softmax-fusion"))
-        if not get("no_persist_layer_norm") and not mamba and spec is None and not _have("apex"):
-            out.append(Missing("persistent layer norm (on by default)", "Apex (megatron-core's local spec falls "
-                               "back to WrappedTorchNorm, which refuses it)", "add --no-persist-layer-norm"))
+        if not mamba and spec is None and not _have("apex"):  # the local GPT spec's norm: WrappedTorchNorm's asserts
+            for on, what, fix in ((not get("no_persist_layer_norm"), "persistent layer norm (on by default)",
+                                   "add --no-persist-layer-norm"),
+                                  (get("layernorm_zero_centered_gamma"), "--apply-layernorm-1p",
+                                   "drop --apply-layernorm-1p"),
+                                  (get("sequence_parallel"), "--sequence-parallel", "drop --sequence-parallel")):
+                if on:
+                    out.append(Missing(what, "Apex (megatron-core's local spec falls back to WrappedTorchNorm, which "
+                                       "refuses it)", fix))
     if get("use_flash_attn") or getattr(get("attention_backend"), "name", None) == "flash":
         if not _have("flash_attn"):
             out.append(Missing("--use-flash-attn / --attention-backend flash", "flash-attn",
