@@ -281,6 +281,7 @@ def test_dp_1_and_2_match_in_bf16_and_without_the_distributed_optimizer(tmp_path
     one, two = (_train(tmp_path / f"dp{n}", n, [*INVARIANT, *extra]) for n in (1, 2))
     steps = _logical(one)
     assert steps == _logical(two)
+    assert {"logical_exp_avg", "logical_exp_avg_sq"} <= steps[0][2].keys()
     if "bfloat16" in extra[0]:
         assert "logical_main_params" in steps[0][2]
     rc, out = _compare(one, two, capsys)
