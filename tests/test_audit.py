@@ -22,6 +22,7 @@ from megatron_bitdet.recipe import RecipeError, load_recipe
 cpu_backend.install()  # megatron's Mamba mixer imports Triton-only helpers at import time
 
 MAMBA_SPECS = "megatron.core.models.mamba.mamba_layer_specs"
+HYBRID_SPECS = "megatron.core.models.hybrid.hybrid_layer_specs"
 EXPERTS = "moe_layer.mlp.experts"
 GROUPED_MLP = "megatron.core.transformer.moe.experts:GroupedMLP"
 TE_GROUPED_MLP = "megatron.core.transformer.moe.experts:TEGroupedMLP"
@@ -58,7 +59,10 @@ def te_mamba_specs(monkeypatch):
 
     monkeypatch.setattr(provider, "TEColumnParallelGroupedLinear", TEGroupedLinearStandIn)
     monkeypatch.setattr(provider, "TERowParallelGroupedLinear", TEGroupedLinearStandIn)
-    real = importlib.import_module(MAMBA_SPECS)
+    try:  # from megatron-core 0.18 mamba_layer_specs re-exports the module that builds the spec
+        real = importlib.import_module(HYBRID_SPECS)
+    except ModuleNotFoundError:
+        real = importlib.import_module(MAMBA_SPECS)
     spec = importlib.util.spec_from_file_location(f"{MAMBA_SPECS}_with_te", real.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -175,10 +179,20 @@ def test_partial_builders_are_walked_like_module_specs(audit, te_mamba_specs):
     assert audit.recipe_keys(built) == {"model.spec": "te", "model.moe.expert_impl": "te_grouped"}
 
 
+def with_submodules(node, **changes):
+    """``node`` (a ModuleSpec, or a 0.17+ partial builder) with some of its submodules' fields replaced."""
+    import dataclasses
+    import functools
+
+    if isinstance(node, functools.partial):
+        return functools.partial(node.func, *node.args, **{
+            **node.keywords, "submodules": dataclasses.replace(node.keywords["submodules"], **changes)})
+    return dataclasses.replace(node, submodules=dataclasses.replace(node.submodules, **changes))
+
+
 def test_a_spec_walk_finding_no_experts_is_an_error(audit):
     """An MoE layer whose experts the walk cannot see, or a model with experts whose spec shows no
     experts position (here its MoE layer is built by an opaque function), is refused, not passed."""
-    import dataclasses
     import functools
 
     from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
@@ -190,13 +204,10 @@ def test_a_spec_walk_finding_no_experts_is_an_error(audit):
         return MoELayer(**kwargs)
 
     layer = mamba_stack_spec.submodules.moe_layer
-    for mlp, num_moe_experts, where in (
-            (dataclasses.replace(layer.submodules.mlp, submodules=dataclasses.replace(
-                layer.submodules.mlp.submodules, experts=None)), None, r"MoE layer\(s\) at moe_layer.mlp:"),
-            (functools.partial(moe_builder), 4, "num_moe_experts=4")):
-        moe_layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, mlp=mlp))
-        spec = dataclasses.replace(mamba_stack_spec, submodules=dataclasses.replace(
-            mamba_stack_spec.submodules, moe_layer=moe_layer))
+    mlp = layer.submodules.mlp
+    for mlp, num_moe_experts, where in ((with_submodules(mlp, experts=None), None, r"MoE layer\(s\) at moe_layer.mlp:"),
+                                        (functools.partial(moe_builder), 4, "num_moe_experts=4")):
+        spec = with_submodules(mamba_stack_spec, moe_layer=with_submodules(layer, mlp=mlp))
         with pytest.raises(BitdetError, match="the audit found no MoE experts position in .*" + where):
             audit.audit_spec(spec, num_moe_experts=num_moe_experts)
     assert not any(f.position == EXPERTS for f in audit.audit_spec(spec))  # without the count: nothing to hold it to

@@ -6,6 +6,7 @@ under ``megatron.core`` for the test only (as 0.18's ``ssm/mamba_block.py`` is `
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import types
 
@@ -60,20 +61,24 @@ def _refused(decl, *fragments):
     assert applied_patches() == [] and "nothing was patched" in message
     for fragment in fragments:
         assert fragment in message, message
+    return message
 
 
 def test_a_re_export_target_is_refused_naming_the_binding_megatron_calls(megatron_module):
-    """0.18 made ``ssm.mamba_block`` a re-export: local_final_norm's target there would patch nothing."""
-    from megatron.core.ssm import mamba_block
+    """0.18 made ``ssm.mamba_block`` a re-export: local_final_norm's target there would patch nothing. The
+    module whose TENorm the installed megatron-core's stack calls is re-exported here the same way."""
+    from megatron_bitdet.compat.versions import megatron_core_version
 
-    local_final_norm = load_declarations(ids=["local_final_norm"])[0]
+    (real,) = [s for s in load_declarations(ids=["local_final_norm"])[0].swaps if s.applies(megatron_core_version())]
+    caller = real.targets[0]  # the stack's module: ssm.mamba_block before 0.18, models.hybrid.hybrid_block after
+    stack = importlib.import_module(caller.split(":")[0])
     swap = dict(replacement="megatron_bitdet.model.norm:LocalNorm", targets=["megatron.core.ssm.bitdet_moved:TENorm"],
-                untouched={**local_final_norm.swaps[0].untouched, "megatron.core.ssm.mamba_block:TENorm": "the caller"})
-    megatron_module("megatron.core.ssm.bitdet_moved", "from megatron.core.ssm.mamba_block import *\n")
-    before = mamba_block.TENorm
-    _refused(_decl(swap), "megatron.core.ssm.bitdet_moved:TENorm is only a re-export",
-             "megatron calls it through ", "megatron.core.ssm.mamba_block:TENorm)")
-    assert mamba_block.TENorm is before and sys.modules["megatron.core.ssm.bitdet_moved"].TENorm is before
+                untouched={**real.untouched, caller: "the caller"})
+    megatron_module("megatron.core.ssm.bitdet_moved", f"from {stack.__name__} import *\n")
+    before = stack.TENorm
+    message = _refused(_decl(swap), "megatron.core.ssm.bitdet_moved:TENorm is only a re-export")
+    assert re.search(r"megatron calls it through [^)]*" + re.escape(caller), message), message
+    assert stack.TENorm is before and sys.modules["megatron.core.ssm.bitdet_moved"].TENorm is before
     # a re-export megatron-core 0.16.1 ships: the tensor_parallel package's ColumnParallelLinear
     _refused(_decl(dict(replacement="megatron_bitdet.kernels.fp8_linear:EmulatedFP8ColumnParallelLinear",
                         targets=["megatron.core.tensor_parallel:ColumnParallelLinear"])),

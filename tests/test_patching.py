@@ -222,11 +222,16 @@ def test_spec_providers_hand_out_the_grouped_experts():
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec
     from megatron.core.transformer.moe.experts import SequentialMLP
 
-    assert get_moe_module_spec(use_te=False, num_experts=4).submodules.experts.module is SequentialMLP
+    from megatron_bitdet.enforce.audit import walk_spec
+
+    def experts():  # a ModuleSpec before 0.17, a partial builder after: the walk reads both
+        return dict(walk_spec(get_moe_module_spec(use_te=False, num_experts=4)))["experts"]
+
+    assert experts() is SequentialMLP
     with patched(load_declarations(ids=["grouped_gemm_dprob"])):
-        assert get_moe_module_spec(use_te=False, num_experts=4).submodules.experts.module is GroupedProbMLP
+        assert experts() is GroupedProbMLP
         assert transformer_engine_spec_provider.SequentialMLP is GroupedProbMLP
-    assert get_moe_module_spec(use_te=False, num_experts=4).submodules.experts.module is SequentialMLP
+    assert experts() is SequentialMLP
 
 
 def _write(tmp_path, name, data):
@@ -239,7 +244,7 @@ def _decl_dict(**overrides):
     data = {
         "id": "moe_aux_loss",
         "rule": "moe_aux_loss",
-        "megatron_core": ">=0.16.1,<0.17",
+        "megatron_core": f"=={megatron_core_version()}",
         "why": "test",
         "swaps": [
             {
@@ -257,7 +262,7 @@ def test_out_of_range_megatron_core_is_refused_and_nothing_is_applied(tmp_path):
     before = _current(target)
     good = load_declaration(_write(tmp_path, "moe_aux_loss", _decl_dict()))
     future = load_declaration(_write(tmp_path, "future", _decl_dict(id="future", megatron_core=">=99")))
-    with pytest.raises(BitdetError, match=r"supports megatron-core >=99, installed is 0\.16\.1; refusing"):
+    with pytest.raises(BitdetError, match=rf"supports megatron-core >=99, installed is {megatron_core_version()}; refusing"):
         apply_patches([good, future])
     assert _current(target) is before and applied_patches() == []
 

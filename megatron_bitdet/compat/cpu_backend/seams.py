@@ -16,9 +16,10 @@ import types
 import time
 
 import torch
+from packaging.specifiers import SpecifierSet
 
 from megatron_bitdet.compat.rebind import rebind
-from megatron_bitdet.compat.versions import require_supported
+from megatron_bitdet.compat.versions import megatron_core_version, require_supported, supports
 from megatron_bitdet.errors import BitdetError
 
 _INSTALLED: list[str] = []
@@ -268,7 +269,8 @@ def cuda_device_literals():
         "megatron.core.pipeline_parallel.schedules:forward_backward_no_pipelining",
         "megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_with_interleaving",
         "megatron.core.pipeline_parallel.schedules:forward_backward_pipelining_without_interleaving",
-        "megatron.core.transformer.moe.moe_utils:track_moe_metrics",
+        *(["megatron.core.transformer.moe.moe_utils:track_moe_metrics"] if supports(
+            megatron_core_version(), SpecifierSet("<0.18")) else []),  # 0.18: moe_logging, CPU-aware
         "megatron.core.transformer.utils:get_default_causal_mask",
         "megatron.core.transformer.utils:get_sliding_window_causal_mask",
         "megatron.core.utils:local_multi_tensor_l2_norm",
