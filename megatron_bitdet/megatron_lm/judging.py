@@ -7,7 +7,11 @@ every violation at once, opt-outs honoured — together with what this machine c
   manifest is written (``--run-dir``) whenever the rules pass.
 - ``preflight``: before any rank starts (``bitdet megatron-lm --nproc``), every problem at once, exit 2.
 - ``judge_line``: what both share with the ranks' own judgement at ``validate_args`` (``loop_hooks``),
-  which then enforces and installs what was judged.
+  which then enforces and installs what was judged. Every refusal of a line comes in one report: Megatron's
+  own (its message, or a bare assert's source line), the unsupported flags, the determinism violations (the
+  recipe's rules and ``line_rules``), what this machine cannot run.
+- ``parse_line``: the line parsed by the script's parser, refusing in one line (an unknown flag and the one
+  meant, a bad value) instead of a usage dump and an exit, before any rank starts.
 
 Nothing here wraps Megatron: ``loop_hooks`` installs the seams and calls in (one way).
 """
@@ -157,10 +161,10 @@ def parse_line(argv, extra_args_provider=None, *, strict: bool = True):
     parser = chain(extra_args_provider)(add_megatron_arguments(_RefusingParser(allow_abbrev=False)))
     _, unknown = parser.parse_known_args(argv)
     if unknown and strict:
-        flags = [a.split("=", 1)[0] for a in unknown if a.startswith("-")]
-        named = [f + "".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(f, parser._option_string_actions,
-                                                                                       n=1))
-                 for f in flags]
+        flags = [a.split("=", 1)[0] for a in unknown
+                 if a.startswith("-") and not parser._negative_number_matcher.match(a)]
+        known = parser._option_string_actions
+        named = [f + "".join(f" (did you mean {m}?)" for m in difflib.get_close_matches(f, known, n=1)) for f in flags]
         raise BitdetInputError(f"the launch line: unknown flag{'s' * (len(flags) > 1)} {', '.join(named)}" if flags
                                else f"the launch line: unexpected value{'s' * (len(unknown) > 1)} {' '.join(unknown)}")
 
