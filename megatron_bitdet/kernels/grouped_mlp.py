@@ -138,7 +138,8 @@ def megatron_activation(config) -> Callable[[torch.Tensor], torch.Tensor]:
 class GroupedProbMLP(SequentialMLP):
     """SequentialMLP's weights and interface, grouped computation with a deterministic dprob."""
 
-    def __init__(self, num_local_experts, config, submodules, pg_collection=None, kernel_config: Optional[GroupedMLPConfig] = None):
+    def __init__(self, num_local_experts, config, submodules, pg_collection=None,
+                 kernel_config: Optional[GroupedMLPConfig] = None, **megatron_kwargs):
         unsupported = [
             name
             for name, on in (
@@ -152,7 +153,7 @@ class GroupedProbMLP(SequentialMLP):
         ]
         if unsupported:
             raise BitdetInputError(f"GroupedProbMLP does not support {', '.join(unsupported)}; use SequentialMLP")
-        super().__init__(num_local_experts, config, submodules, pg_collection)
+        super().__init__(num_local_experts, config, submodules, pg_collection, **megatron_kwargs)  # 0.19: name
         self.kernel_config = kernel_config or GroupedMLPConfig()
         self.expert_activation = megatron_activation(self.config)
 

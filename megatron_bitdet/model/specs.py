@@ -27,6 +27,7 @@ from megatron.core.transformer.transformer_layer import (
     TransformerLayerSubmodules,
 )
 
+from megatron_bitdet.compat import builders
 from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP
 from megatron_bitdet.model.norm import LocalNorm
 
@@ -38,11 +39,13 @@ class ExpertSpecProvider(LocalSpecProvider):
     def __init__(self, expert_impl: str = "sequential"):
         self.expert_impl = expert_impl
 
-    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, moe_use_legacy_grouped_gemm: bool):
-        module, submodules = super().grouped_mlp_modules(moe_use_grouped_gemm, moe_use_legacy_grouped_gemm)
+    def grouped_mlp_modules(self, moe_use_grouped_gemm: bool, *legacy):
+        """megatron's, with GroupedProbMLP built instead (``legacy``: before 0.17, the
+        ``moe_use_legacy_grouped_gemm`` argument; the shape returned: ``compat.builders``)."""
+        built = super().grouped_mlp_modules(moe_use_grouped_gemm, *legacy)
         if self.expert_impl == "grouped" and not moe_use_grouped_gemm:
-            module = GroupedProbMLP
-        return module, submodules
+            return builders.with_module(built, GroupedProbMLP)
+        return built
 
 
 def te_available() -> bool:

@@ -275,6 +275,8 @@ def cuda_device_literals():
         "megatron.core.transformer.utils:get_sliding_window_causal_mask",
         "megatron.core.utils:local_multi_tensor_l2_norm",
         "megatron.core.rerun_state_machine:RerunStateMachine._reduce_any",
+        *(["megatron.core.optimizer.optimizer:MegatronOptimizer.has_grad_norm_group"] if supports(
+            megatron_core_version(), SpecifierSet(">=0.19")) else []),  # new in 0.19
     ):
         _cuda_literals_to_cpu(target)
 
