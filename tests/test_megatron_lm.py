@@ -371,6 +371,24 @@ def test_a_wall_clock_stop_saves_and_the_same_line_resumes_bitwise(mamba_runs, t
                                                "signal: --exit-signal-handler (SIGTERM)"]
 
 
+@pytest.mark.slow  # three launches, one of them over a minute: the default suite stops at the first check (above)
+def test_a_one_minute_wall_clock_stop_lands_where_the_clock_says_and_resumes_bitwise(tmp_path):
+    """A real time limit: --exit-duration-in-mins 1 on a long schedule stops both ranks at the same step S, the
+    first after a minute from the script's start, saved there; the same line resumed runs S+1 and S+2; an
+    uninterrupted launch to S+2 agrees with both, line for line."""
+    line = [*MAMBA[:MAMBA.index("--train-iters")], "--train-iters", "100000",
+            *MAMBA[MAMBA.index("--train-iters") + 2:]]
+    ckpt, first, second, whole = (tmp_path / d for d in ("ckpt", "first", "second", "whole"))
+    job = ["--save", str(ckpt), "--save-interval", "100000", "--load", str(ckpt)]  # saved only where it stops
+    assert launch(first, "pretrain_mamba.py", line, *job, "--exit-duration-in-mins", "1") == 0
+    stop = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
+    assert launch(second, "pretrain_mamba.py", line, *job, "--exit-interval", str(stop + 2)) == 0
+    assert launch(whole, "pretrain_mamba.py", line, "--exit-interval", str(stop + 2)) == 0
+    for rank in (0, 1):
+        read = lambda run: (run / "fingerprints" / f"rank_{rank:05d}.jsonl").read_text().splitlines()  # noqa: E731
+        assert len(read(first)) == stop and read(first) + read(second) == read(whole)
+
+
 def test_verify_resume_names_a_skipped_rng_restore_and_the_first_divergent_step(mamba_runs, tmp_path, capsys):
     capsys.readouterr()
     rc = verify_resume(mamba_runs, tmp_path, "--skip-restore", "rng")
