@@ -20,7 +20,8 @@ _WORKFLOW_FLAGS = (*_OUTPUT_FLAGS, "--load", "--ckpt-step", *(flag for _, _, fla
                    "--accept-skipped-restore")
 # flags of those that take no value
 _SWITCHES = ("--exit-signal-handler", "--accept-skipped-restore", *RESTORE_SWITCHES)
-_NOTES = {**{flag: "each launch restores everything its checkpoint holds" for _, _, flag, _, _ in RESTORE_FLAGS},
+_NOTES = {**{flag: "each launch restores everything its checkpoint holds"
+             for flag in (*(f for _, _, f, _, _ in RESTORE_FLAGS), "--accept-skipped-restore")},
           **{flag: "each launch stops where the workflow says (a fixed length)" for flag in _STOP_FLAGS}}
 
 
