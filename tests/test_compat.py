@@ -58,6 +58,22 @@ def test_a_megatron_core_outside_the_range_is_refused_at_start(tmp_path):
     assert "Traceback" not in done.stderr
 
 
+def test_builders_swap_the_module_in_either_shape():
+    """A backend's experts builder: ``(module, submodules)`` before megatron-core 0.17, a partial after."""
+    import functools
+
+    from megatron.core.transformer.mlp import MLPSubmodules
+    from megatron.core.transformer.moe.experts import SequentialMLP
+
+    from megatron_bitdet.compat.builders import with_module
+    from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP
+
+    submodules = MLPSubmodules(linear_fc1=None, linear_fc2=None)
+    assert with_module((SequentialMLP, submodules), GroupedProbMLP) == (GroupedProbMLP, submodules)
+    built = with_module(functools.partial(SequentialMLP, submodules=submodules, name="experts"), GroupedProbMLP)
+    assert (built.func, built.args, built.keywords) == (GroupedProbMLP, (), {"submodules": submodules, "name": "experts"})
+
+
 def test_every_shipped_patch_reads_the_specifier():
     decls = load_declarations()
     assert decls and all(d.megatron_core == MEGATRON_CORE for d in decls)
