@@ -69,6 +69,9 @@ class Child(Base):
 def test_target_without_cuda_literal_is_refused():
     with pytest.raises(BitdetError, match="test_cpu_backend:no_cuda_literal has no CUDA literal any more"):
         seams._cuda_literals_to_cpu("test_cpu_backend:no_cuda_literal")
+    for gone in ("test_cpu_backend:moved_away", "test_cpu_backend:Child.moved_away"):  # e.g. 0.19's training utils
+        with pytest.raises(BitdetError, match=f"{gone} is gone; megatron-core changed under the seam"):
+            seams._cuda_literals_to_cpu(gone)
 
 
 def test_cuda_literals_are_pointed_at_the_cpu():

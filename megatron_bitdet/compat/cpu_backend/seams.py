@@ -88,10 +88,13 @@ def _cuda_literals_to_cpu(target: str, literals=_CUDA_LITERALS, modules=None) ->
     module_name, _, qualname = target.partition(":")
     module = importlib.import_module(module_name)
     *owner_path, attr = qualname.split(".")
-    owner = module
-    for part in owner_path:
-        owner = getattr(owner, part)
-    raw = inspect.getattr_static(owner, attr)
+    try:
+        owner = module
+        for part in owner_path:
+            owner = getattr(owner, part)
+        raw = inspect.getattr_static(owner, attr)
+    except AttributeError:
+        raise BitdetError(f"CPU backend: {target} is gone; megatron-core changed under the seam") from None
     fn = inspect.unwrap(raw.__func__ if isinstance(raw, (staticmethod, classmethod)) else raw)
     src = textwrap.dedent(inspect.getsource(fn))
     hits = 0

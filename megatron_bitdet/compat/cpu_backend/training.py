@@ -120,14 +120,17 @@ def tensor_parallel_seed():
 
 def prebuilt_helpers():
     """``_compile_dependencies`` runs ``make`` for the dataset helpers (the wheel ships them prebuilt,
-    without a Makefile) and ``fused_kernels.load`` looks for nvcc (no fused kernels on CPU)."""
+    without a Makefile) and, where Megatron-LM still has ``megatron.legacy`` (before 0.18: 0.19's
+    entry points have none and no longer call it), ``fused_kernels.load`` looks for nvcc."""
     from megatron.core.datasets import utils as dataset_utils
-    from megatron.legacy import fused_kernels
 
     if importlib.util.find_spec("megatron.core.datasets.helpers_cpp") is None:
         raise BitdetError("megatron-core's prebuilt dataset helpers (helpers_cpp) are missing")
     dataset_utils.compile_helpers = lambda: None
-    fused_kernels.load = lambda args: None
+    if importlib.util.find_spec("megatron.legacy") is not None:
+        from megatron.legacy import fused_kernels
+
+        fused_kernels.load = lambda args: None
 
 
 def no_jit_warmup():
