@@ -137,9 +137,15 @@ MODULE_PRECISION_CASES = {"megatron_bitdet.kernels.fp8_linear:EmulatedFP8ColumnP
 
 
 def _swapped_callables():
+    """Every callable the declarations swap into the installed megatron-core (a swap may apply to other
+    versions only: moe_aux_loss's tracker method from 0.18, its module function before)."""
+    from megatron_bitdet.compat.versions import megatron_core_version
+
     out = set()
     for decl in load_declarations():
         for swap in decl.swaps:
+            if not swap.applies(megatron_core_version()):
+                continue
             module, attr = split_symbol(swap.replacement)
             if callable(getattr(importlib.import_module(module), attr)):  # SSM_KERNELS_AVAILABLE is a flag
                 out.add(swap.replacement)
