@@ -8,6 +8,7 @@ naming both). ``render_flags`` turns a recipe into the flags that make them agre
 """
 from __future__ import annotations
 
+import importlib
 import shlex
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -104,9 +105,44 @@ def _fp4_recipe(a):
     return (getattr(a, "fp4_recipe", None) or "nvfp4") if getattr(a, "fp4", None) else "none"
 
 
+TE_NVFP4 = (2, 7)     # Transformer Engine's first release with NVFP4BlockScaling
+BLACKWELL = (10, 0)   # the first compute capability with FP4 tensor cores
+
+
+def te_fp4_refusal(te_version: str | None, capability: tuple[int, int] | None) -> str:
+    """Why FP4 under Transformer Engine is refused, from the facts: TE's version (None: it does not import) and
+    the CUDA device's compute capability (None: no device). Each unmet need names what is found; the last
+    reason holds on every machine: bitdet fingerprints the values and block scales of its emulated NVFP4
+    linears, not TE's NVFP4 tensors, so a TE NVFP4 run's FP4 would go unproven."""
+    from packaging.version import Version
+
+    needs = []
+    if te_version is None:
+        needs.append("Transformer Engine >= 2.7 (NVFP4BlockScaling); transformer_engine does not import here")
+    elif Version(te_version).release[:2] < TE_NVFP4:
+        needs.append(f"Transformer Engine >= 2.7 (NVFP4BlockScaling); found {te_version}")
+    if capability is None:
+        needs.append("a Blackwell GPU (compute capability >= 10.0); no CUDA device here")
+    elif tuple(capability) < BLACKWELL:
+        needs.append(f"a Blackwell GPU (compute capability >= 10.0); found {capability[0]}.{capability[1]}")
+    return "".join(f"needs {n}; " for n in needs) + (
+        "bitdet fingerprints the values and block scales of its emulated NVFP4 linears only, not Transformer "
+        "Engine's NVFP4 tensors: a TE NVFP4 run's FP4 would go unproven, so bitdet refuses it on every machine")
+
+
+def te_fp4_facts() -> tuple[str | None, tuple[int, int] | None]:
+    """This machine's facts for ``te_fp4_refusal``: TE's version where it imports, the CUDA device's capability."""
+    import torch
+
+    from megatron_bitdet.megatron_lm.machine import te_here
+
+    version = importlib.import_module("transformer_engine").__version__ if te_here() else None
+    return version, tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
+
+
 def fp4_issue(args, spec: str) -> str | None:
-    """Why Megatron-LM's FP4 flags cannot run here (None: they can): megatron-core routes config.fp4
-    to Transformer Engine's NVFP4BlockScaling (TE >= 2.7, Blackwell) whatever the spec, and bitdet's
+    """Why Megatron-LM's FP4 flags are refused (None: no FP4 asked for): megatron-core routes config.fp4
+    to Transformer Engine's NVFP4BlockScaling whatever the spec (``te_fp4_refusal``), and bitdet's
     emulated NVFP4 linears are not swapped into a Megatron-LM launch (megatron would still enter TE's
     FP4 autocast around them). ``spec``: the derived ``model.spec``."""
     if not getattr(args, "fp4", None):
@@ -119,14 +155,7 @@ def fp4_issue(args, spec: str) -> str | None:
     if spec == "local":
         return (f"{flags} with the local spec: megatron-core's local linears have no FP4 path (the run would "
                 f"not compute in FP4) and its FP4 autocast still needs Transformer Engine{emulation}")
-    import torch
-
-    from megatron_bitdet.model.specs import te_available
-
-    if not (te_available() and torch.cuda.is_available()):
-        return (f"{flags} needs Transformer Engine >= 2.7 (NVFP4BlockScaling) on a Blackwell GPU; "
-                f"{'no CUDA device' if te_available() else 'transformer_engine does not import'} here{emulation}")
-    return None
+    return f"{flags} under Transformer Engine: {te_fp4_refusal(*te_fp4_facts())}{emulation}"
 
 
 def _fp8(name):
@@ -330,7 +359,7 @@ def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str 
         raise BitdetInputError("recipe and Megatron-LM flags disagree:\n  " + "\n  ".join(conflicts))
     issue = fp4_issue(args, _get(derived, "model.spec"))
     if issue:
-        raise BitdetInputError(f"these Megatron-LM flags cannot run here: {issue}")
+        raise BitdetInputError(f"these Megatron-LM flags are refused: {issue}")
     tree = {"name": base.name if base is not None else f"megatron-lm:{script}", **derived}
     tree["data"] = {"corpus": data or "megatron-lm data args"}
     if getattr(args, "split", None):  # --split (Megatron's own default with --data-path), as the run reads it
