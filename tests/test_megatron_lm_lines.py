@@ -293,6 +293,8 @@ def test_samples_based_schedule_is_chained_in_iterations():
             train_iters(bad)
 
 
+# megatron-core's fused softmax asks for its CUDA kernel at these shapes (16 < seq <= 4096, b x heads % 4 == 0)
+SOFTMAX_KERNEL_SHAPE = {"seq_length": 64, "micro_batch_size": 2, "num_attention_heads": 4}
 # one flag (or Megatron default) at a time on a line that otherwise runs here: its row's fix
 MACHINE_ROWS = [
     ({"transformer_impl": "transformer_engine"}, "add --transformer-impl local"),
@@ -302,7 +304,7 @@ MACHINE_ROWS = [
     ({"tp_comm_overlap": True}, "drop --tp-comm-overlap"),
     ({"te_rng_tracker": True}, "drop --te-rng-tracker"),
     ({"gradient_accumulation_fusion": True}, "add --no-gradient-accumulation-fusion"),
-    ({"masked_softmax_fusion": True, "bf16": True}, "add --no-masked-softmax-fusion"),
+    ({"masked_softmax_fusion": True, "bf16": True, **SOFTMAX_KERNEL_SHAPE}, "add --no-masked-softmax-fusion"),
     ({"use_flash_attn": True}, "drop it (or install flash-attn on a GPU)"),
     ({"moe_token_dispatcher_type": "flex"}, "use --moe-token-dispatcher-type alltoall"),
     ({"batch_invariant_mode": True}, "drop --batch-invariant-mode"),
@@ -357,6 +359,61 @@ def test_the_local_gpt_norm_refuses_what_its_rows_name():
     for field, tp in (("persist_layer_norm", 1), ("layernorm_zero_centered_gamma", 1), ("sequence_parallel", 2)):
         with pytest.raises(AssertionError, match="not supported by torch LayerNorm"):
             WrappedTorchNorm(TransformerConfig(**{**base, field: True, "tensor_model_parallel_size": tp}), 8)
+
+
+def test_the_fused_kernel_rows_are_megatron_cores_own_failures(tmp_path):
+    """The RoPE-fusion, gradient-accumulation-fusion and masked-softmax rows are what megatron-core's own pieces
+    refuse without TE / Apex / Megatron's kernels, built as a rank builds them (the config, a 1-rank gloo
+    ColumnParallelLinear, the attention's softmax at the line's shapes); without the flag each runs. The
+    softmax row is a fact only where the kernel is asked for: at seq 16 torch's softmax runs, and no row."""
+    import argparse
+
+    import torch
+    import torch.distributed as dist
+
+    from megatron_bitdet.compat import cpu_backend
+    from megatron_bitdet.megatron_lm.machine import missing
+
+    if torch.cuda.is_available():
+        pytest.skip("judges a machine without CUDA, TE and Apex")
+    cpu_backend.install()
+    from megatron.core.fusions.fused_softmax import FusedScaleMaskSoftmax
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.utils import attention_mask_func
+
+    base = dict(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
+                perform_initialization=False)
+    with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
+        TransformerConfig(**base, apply_rope_fusion=True)
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        for fusion in (False, True):
+            build = lambda: ColumnParallelLinear(8, 8, config=TransformerConfig(  # noqa: E731
+                **base, gradient_accumulation_fusion=fusion), init_method=None, bias=False, tp_group=dist.group.WORLD)
+            if fusion:
+                with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
+                    build()
+            else:
+                build()
+    finally:
+        if owns:
+            dist.destroy_process_group()
+    softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=True, attn_mask_type=AttnMaskType.causal,
+                                    scaled_masked_softmax_fusion=True, mask_func=attention_mask_func,
+                                    softmax_in_fp32=True, scale=None)
+    line = dict(transformer_impl="local", spec=None, position_embedding_type="none", no_persist_layer_norm=True,
+                masked_softmax_fusion=True, bf16=True, **SOFTMAX_KERNEL_SHAPE)
+    b, heads, seq = line["micro_batch_size"], line["num_attention_heads"], line["seq_length"]
+    with pytest.raises(ModuleNotFoundError, match="scaled_masked_softmax_cuda"):
+        softmax(torch.zeros(b, heads, seq, seq, dtype=torch.bfloat16), None)
+    assert [r.what for r in missing(argparse.Namespace(**line), None, "pretrain_gpt.py", "*-")] == \
+        ["masked-softmax fusion (on by default) with --bf16/--fp16"]
+    softmax(torch.zeros(b, heads, 16, 16, dtype=torch.bfloat16), None)  # torch's softmax: nothing to refuse
+    assert missing(argparse.Namespace(**{**line, "seq_length": 16}), None, "pretrain_gpt.py", "*-") == []
 
 
 @megatron_lm

@@ -64,6 +64,15 @@ def _spec_family(spec) -> str | None:
     return recipe_keys(spec).get("model.spec")
 
 
+def _fused_softmax_asked(a) -> bool:
+    """megatron-core's FusedScaleMaskSoftmax asks for its CUDA kernel (and dies without it) only at the shapes
+    its ``is_kernel_available`` takes: 16 < seq <= 4096, seq and micro-batch x heads per TP rank divisible by 4;
+    elsewhere it runs torch's softmax (the local attention has no context parallelism: seq is the line's)."""
+    get = lambda name: getattr(a, name, None) or 0  # noqa: E731
+    seq, heads = get("seq_length"), get("num_attention_heads") // (get("tensor_model_parallel_size") or 1)
+    return 16 < seq <= 4096 and seq % 4 == 0 and get("micro_batch_size") * heads % 4 == 0
+
+
 def missing(a, spec, script: str, pattern: str) -> list[Missing]:
     """Every row for the validated args ``a`` (the flags as the model config will get them), the ``--spec``
     object (None without), the script's file name and the layer pattern (``M*-E`` symbols)."""
@@ -100,7 +109,7 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
             out.append(Missing("gradient-accumulation fusion (on by default)", "Apex's fused_weight_gradient_mlp_cuda",
                                "add --no-gradient-accumulation-fusion (or install Apex with its CUDA extensions)"))
         if "*" in pattern and get("masked_softmax_fusion") and (get("bf16") or get("fp16")) \
-                and not _have("scaled_masked_softmax_cuda"):
+                and _fused_softmax_asked(a) and not _have("scaled_masked_softmax_cuda"):
             out.append(Missing("masked-softmax fusion (on by default) with --bf16/--fp16",
                                "Megatron's scaled_masked_softmax_cuda", "add --no-masked-softmax-fusion"))
         if not mamba and spec is None and not _have("apex"):  # the local GPT spec's norm: WrappedTorchNorm's asserts
