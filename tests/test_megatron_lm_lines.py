@@ -302,7 +302,6 @@ MACHINE_ROWS = [
     ({"fp8": "hybrid"}, "drop --fp8-format"),
     ({"moe_permute_fusion": True}, "drop --moe-permute-fusion"),
     ({"tp_comm_overlap": True}, "drop --tp-comm-overlap"),
-    ({"te_rng_tracker": True}, "drop --te-rng-tracker"),
     ({"gradient_accumulation_fusion": True}, "add --no-gradient-accumulation-fusion"),
     ({"masked_softmax_fusion": True, "bf16": True, **SOFTMAX_KERNEL_SHAPE}, "add --no-masked-softmax-fusion"),
     ({"use_flash_attn": True}, "drop it (or install flash-attn on a GPU)"),
@@ -362,10 +361,12 @@ def test_the_local_gpt_norm_refuses_what_its_rows_name():
 
 
 def test_the_fused_kernel_rows_are_megatron_cores_own_failures(tmp_path):
-    """The RoPE-fusion, gradient-accumulation-fusion and masked-softmax rows are what megatron-core's own pieces
-    refuse without TE / Apex / Megatron's kernels, built as a rank builds them (the config, a 1-rank gloo
-    ColumnParallelLinear, the attention's softmax at the line's shapes); without the flag each runs. The
-    softmax row is a fact only where the kernel is asked for: at seq 16 torch's softmax runs, and no row."""
+    """The rows for RoPE fusion, gradient-accumulation fusion, the masked softmax, --moe-permute-fusion and
+    --transformer-impl transformer_engine are what megatron-core's own pieces refuse without TE / Apex /
+    Megatron's kernels, built as a rank builds them (the config, a 1-rank gloo ColumnParallelLinear, the
+    attention's softmax at the line's shapes, pretrain_gpt.py's TE layer spec); without the flag each runs. The
+    softmax row is a fact only where the kernel is asked for: at seq 16 torch's softmax runs, and no row.
+    --te-rng-tracker is no row: without TE megatron-core builds its own tracker."""
     import argparse
 
     import torch
@@ -387,6 +388,25 @@ def test_the_fused_kernel_rows_are_megatron_cores_own_failures(tmp_path):
                 perform_initialization=False)
     with pytest.raises(ValueError, match="apply_rope_fusion is not available"):
         TransformerConfig(**base, apply_rope_fusion=True)
+    moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, add_bias_linear=False)
+    TransformerConfig(**base, **moe)
+    with pytest.raises(ImportError, match="fused_permute"):
+        TransformerConfig(**base, **moe, moe_permute_fusion=True)
+    from megatron.core.models.gpt import gpt_layer_specs
+
+    gpt_layer_specs.get_gpt_layer_local_spec()  # --transformer-impl local
+    with pytest.raises(NameError, match="TESpecProvider"):  # TE's names, absent where TE does not import
+        gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    from megatron.core.tensor_parallel import random as mrandom
+
+    saved = mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    try:
+        mrandom.initialize_rng_tracker(use_te_rng_tracker=True, force_reset=True)
+        assert type(mrandom.get_cuda_rng_tracker()) is mrandom.CudaRNGStatesTracker  # megatron's own, not TE's
+    finally:
+        mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+    runs_here = dict(transformer_impl="local", spec=None, position_embedding_type="none", no_persist_layer_norm=True)
+    assert missing(argparse.Namespace(**runs_here, te_rng_tracker=True), None, "pretrain_gpt.py", "*-") == []
     owns = not dist.is_initialized()
     if owns:
         dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
@@ -405,8 +425,7 @@ def test_the_fused_kernel_rows_are_megatron_cores_own_failures(tmp_path):
     softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=True, attn_mask_type=AttnMaskType.causal,
                                     scaled_masked_softmax_fusion=True, mask_func=attention_mask_func,
                                     softmax_in_fp32=True, scale=None)
-    line = dict(transformer_impl="local", spec=None, position_embedding_type="none", no_persist_layer_norm=True,
-                masked_softmax_fusion=True, bf16=True, **SOFTMAX_KERNEL_SHAPE)
+    line = dict(runs_here, masked_softmax_fusion=True, bf16=True, **SOFTMAX_KERNEL_SHAPE)
     b, heads, seq = line["micro_batch_size"], line["num_attention_heads"], line["seq_length"]
     with pytest.raises(ModuleNotFoundError, match="scaled_masked_softmax_cuda"):
         softmax(torch.zeros(b, heads, seq, seq, dtype=torch.bfloat16), None)

@@ -100,7 +100,8 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
             out.append(Missing(f"--fp8-format {a.fp8}", "Transformer Engine on an FP8 GPU (megatron-core's FP8 "
                                "is TE's)", "drop --fp8-format (and --fp8-recipe); bitdet's emulated FP8 runs under "
                                "`bitdet train` (model.fp8.implementation: emulated)"))
-        for flag in ("moe_permute_fusion", "moe_router_fusion", "tp_comm_overlap", "te_rng_tracker"):
+        # --te-rng-tracker is no row: without TE megatron-core builds its own tracker (``HAVE_TE and use_te_rng_tracker``)
+        for flag in ("moe_permute_fusion", "moe_router_fusion", "tp_comm_overlap"):
             if get(flag):
                 out.append(Missing(f"--{flag.replace('_', '-')}", "Transformer Engine",
                                    f"drop --{flag.replace('_', '-')}"))
