@@ -153,8 +153,8 @@ def fp4_issue(args, spec: str) -> str | None:
     if _fp4_recipe(args) != "nvfp4":
         return f"{flags}: bitdet judges the nvfp4 recipe only (a custom quantizer factory is not known to it)"
     if spec == "local":
-        return (f"{flags} with the local spec: megatron-core's local linears have no FP4 path (the run would "
-                f"not compute in FP4) and its FP4 autocast still needs Transformer Engine{emulation}")
+        return (f"{flags} with the local spec: megatron-core's local linears have no FP4 path (its FP4 context is "
+                f"Transformer Engine's autocast, a no-op without TE): the run would not compute in FP4{emulation}")
     return f"{flags} under Transformer Engine: {te_fp4_refusal(*te_fp4_facts())}{emulation}"
 
 
