@@ -471,6 +471,18 @@ def test_pretrain_mamba_without_spec_names_the_spec_to_pass(capsys):
     assert row.startswith("pretrain_mamba.py without --spec: needs a layer spec")
     assert row.endswith("fix: add --spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec (Transformer "
                         "Engine is absent here)")
+    # the row is Megatron-LM's own failure at model build: its Mamba builder, as a rank calls it, without --spec
+    import argparse
+    import sys
+    from types import SimpleNamespace
+
+    if MEGATRON_LM not in sys.path:
+        sys.path.append(MEGATRON_LM)  # as the entry point puts the script's folder (its --check did, above)
+    from mamba_builders import mamba_builder
+
+    with pytest.raises(ValueError, match="You must provide a valid Mamba layer spec via --spec"):
+        mamba_builder(argparse.Namespace(use_legacy_models=False, spec=None), True, True,
+                      config=SimpleNamespace(transformer_impl="local"))
 
 
 @megatron_lm
