@@ -586,7 +586,8 @@ def test_prove_on_a_megatron_lm_launch_line_holds_prints_the_verdicts_and_writes
     assert "bitdet prove: verdicts" in out and "every guarantee holds" in out
     rows = verdict_rows((tmp_path / "report.html").read_text())
     assert [(state, guarantee.split(" (")[0]) for state, guarantee, _ in rows] == [
-        ("holds", "independent reproducibility"), ("holds", "bitwise checkpoint resume")]
+        ("holds", "independent reproducibility"), ("holds", "bitwise checkpoint resume"),
+        ("holds", "replicas agree within run A")]
     assert rows[0][2].startswith("3 steps × 2 ranks × 6 metrics + 3 digests: bit-identical")
     for rank in (0, 1):
         a = (tmp_path / "run_a" / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
@@ -613,9 +614,9 @@ def test_prove_on_a_megatron_lm_launch_line_reports_a_skipped_restore_as_broken(
     assert "a guarantee is BROKEN" in out
     html = (tmp_path / "report.html").read_text()
     rows = verdict_rows(html)
-    assert [state for state, _, _ in rows] == ["holds", "broken"]
+    assert [state for state, _, _ in rows] == ["holds", "broken", "holds"]
     assert "rng.torch_cpu" in rows[1][2] and "outputs first differ at step 3" in rows[1][2]
-    assert "1 of 2 guarantees BROKEN" in html and "--no-load-rng" in html
+    assert "1 of 3 guarantees BROKEN" in html and "--no-load-rng" in html
 
 
 def test_prove_refuses_a_launch_line_it_cannot_prove_before_any_rank_starts(tmp_path, capsys):

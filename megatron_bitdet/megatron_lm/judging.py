@@ -89,8 +89,9 @@ def judge(session, args):
     if not args.deterministic_mode and not session.check:
         return recipe, None
     # deterministic mode routes Mamba mixers to the split path (megatron_overrides)
-    settings, outcome, violations, warnings = plan(
-        recipe, late=not (session.check or session.preflight), runs=by_rule(audit_spec(spec, mem_eff_path=False)) if spec is not None else None)
+    experts = getattr(args, "num_moe_experts", None)  # a spec walk finding no experts for these is refused
+    runs = by_rule(audit_spec(spec, mem_eff_path=False, num_moe_experts=experts)) if spec is not None else None
+    settings, outcome, violations, warnings = plan(recipe, late=not (session.check or session.preflight), runs=runs)
     violations += [Violation(o["id"], f"{o['message']}, opted out at {o['where']}; but Megatron-LM's validate_args "
                                       f"asserts it off in deterministic mode ({MEGATRON_LM_ASSERTS[o['id']]!r})",
                              RULES_BY_ID[o["id"]].why, RULES_BY_ID[o["id"]].fix)
@@ -115,7 +116,8 @@ def swap_spec(recipe, args, outcome, *, in_place: bool, config) -> None:
         if any(s["id"] == "te_grouped_gemm" for s in outcome.swaps) or recipe.model.moe.expert_impl == "grouped":
             spec, _ = swap_grouped_experts(spec, copy=not in_place,
                                            sequential=recipe.model.moe.expert_impl == "grouped")
-        findings = audit_spec(spec, mem_eff_path=False) + findings
+        experts = getattr(args, "num_moe_experts", None)
+        findings = audit_spec(spec, mem_eff_path=False, num_moe_experts=experts) + findings
     outcome.runs = runs_record(findings)
 
 
