@@ -121,26 +121,28 @@ def test_compare_refuses_another_virtual_dp_or_tree_and_catches_a_flipped_partia
     rc, out = _compare(runs["inv2"], old_tree, capsys)
     assert rc == 2 and "dp_invariant_tree: A='pairwise-halves-first" in out and "B=None" in out, out
 
-    flipped = shutil.copytree(runs["inv4"], tmp_path / "flipped")
-    path = flipped / "fingerprints" / "rank_00003.jsonl"
-    lines = [json.loads(x) for x in path.read_text().splitlines()]
-    digest = lines[1]["digests"]["logical_grads"]
-    lines[1]["digests"]["logical_grads"] = digest[:-1] + ("0" if digest[-1] != "0" else "1")
-    path.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines))
+    flipped = _edited_line(runs["inv4"], tmp_path / "flipped", rank=3, step=2, field=("digests", "logical_grads"))
     rc, out = _compare(runs["inv1"], flipped, capsys)
     assert rc == 1 and "logical_grads" in out and "MATCH" not in out, out
+
+
+def _edited_line(run, dest, *, rank: int, step: int, field: tuple[str, str]):
+    """A copy of ``run`` whose rank file says another last hex digit for ``field`` at ``step`` (1-based)."""
+    copy = shutil.copytree(run, dest)
+    path = copy / "fingerprints" / f"rank_{rank:05d}.jsonl"
+    lines = [json.loads(x) for x in path.read_text().splitlines()]
+    section, key = field
+    value = lines[step - 1][section][key]
+    lines[step - 1][section][key] = value[:-1] + ("0" if value[-1] != "0" else "1")
+    path.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines))
+    return copy
 
 
 def test_compare_across_dp_checks_every_ranks_metrics(runs, tmp_path, capsys):
     """Rank 2 of the DP 4 run says another lm_loss at step 2 (its file edited: the ranks' metrics are
     reduced, so only a broken reduction or file makes them differ): compare names rank 2, not only
     the lowest rank's metrics."""
-    edited = shutil.copytree(runs["inv4"], tmp_path / "edited")
-    path = edited / "fingerprints" / "rank_00002.jsonl"
-    lines = [json.loads(x) for x in path.read_text().splitlines()]
-    value = lines[1]["metrics"]["lm_loss"]
-    lines[1]["metrics"]["lm_loss"] = value[:-1] + ("0" if value[-1] != "0" else "1")
-    path.write_text("".join(json.dumps(x, separators=(",", ":")) + "\n" for x in lines))
+    edited = _edited_line(runs["inv4"], tmp_path / "edited", rank=2, step=2, field=("metrics", "lm_loss"))
     capsys.readouterr()
     assert bitdet(["compare", "--json", str(runs["inv2"]), str(edited)]) == 1
     first = json.loads(capsys.readouterr().out)["first_divergence"]
