@@ -12,6 +12,7 @@ Sources:
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -214,10 +215,11 @@ def test_recipe_without_deterministic_mode_and_bad_snapshot_values_exit_2_before
 
 
 @megatron_lm
-@pytest.mark.parametrize("name, code", [("nemotron_h_tiny", 0), ("nemotron_h_tiny_fp8", 3)])
+@pytest.mark.parametrize("name, code", [("nemotron_h_tiny", 0), ("nemotron_h_tiny_fp8", 2)])
 def test_megatron_args_renders_the_recipes_model_and_check_agrees_with_the_recipe(name, code, tmp_path, capsys):
-    """The rendered line (untied, FP8, the local spec without TE) judged with its own recipe: no disagreement;
-    FP8 cannot run here (its own section), and the manifest records the recipe's FP8."""
+    """The rendered line (untied, FP8, the local spec without TE) judged with its own recipe: no disagreement,
+    and the manifest records the recipe; its FP8 with the local spec is refused (the run would not compute in
+    FP8: ``test_fp8_with_the_local_spec_computes_no_fp8``), pointing to bitdet's emulated FP8."""
     path = str(REPO / "recipes" / f"{name}.yaml")
     assert bitdet(["recipe", "megatron-args", path]) == 0
     flags = shlex.split(capsys.readouterr().out)
@@ -226,25 +228,26 @@ def test_megatron_args_renders_the_recipes_model_and_check_agrees_with_the_recip
     rc = bitdet(["megatron-lm", "--check", "--nproc", "2", "--run-dir", str(tmp_path / "run"),
                  script("pretrain_mamba.py"), *flags, "--mock-data", "--tokenizer-type", "NullTokenizer",
                  "--deterministic-mode", "--recipe", path])
-    out = capsys.readouterr().out
-    assert rc == code, out
-    fp8 = json.loads((tmp_path / "run" / "manifest.json").read_text())["recipe"]["model"]["fp8"]
+    captured = capsys.readouterr()
+    assert rc == code, captured.out + captured.err
     if code:
-        assert [r.split(":")[0] for r in machine_section(out)] == ["--fp8-format hybrid"]
-        assert (fp8["recipe"], fp8["format"], fp8["amax_history_len"]) == ("delayed", "hybrid", 16)
+        err = " ".join(captured.err.split())
+        assert "--fp8-format hybrid --fp8-recipe delayed with the local spec: megatron-core's local linears have no " \
+               "FP8 path" in err and "would not compute in FP8" in err and "recipes/nemotron_h_tiny_fp8.yaml" in err
+        assert "disagree" not in err and not machine_section(captured.out)
     else:
-        assert fp8["recipe"] == "none"
+        assert json.loads((tmp_path / "run" / "manifest.json").read_text())["recipe"]["model"]["fp8"]["recipe"] == "none"
 
 
 @megatron_lm
-@pytest.mark.parametrize("name, code", [("nemotron_h_tiny", 0), ("nemotron_h_tiny_bf16", 0), ("nemotron_h_tiny_fp8", 3),
+@pytest.mark.parametrize("name, code", [("nemotron_h_tiny", 0), ("nemotron_h_tiny_bf16", 0), ("nemotron_h_tiny_fp8", 2),
                                         ("nemotron_h_tiny_fp4", 2), ("nemotron_h_8b", 3), ("nemotron3_nano", 3)])
 def test_a_shown_recipe_is_the_recipe_and_agrees_with_its_rendered_line(name, code, tmp_path, capsys, monkeypatch):
     """``bitdet recipe show R > r.yaml`` writes R: loaded back, every resolved value is R's; r.yaml sets every key,
     so judged with R's rendered line it must agree key by key: a key left null (``model.kv_channels``: hidden /
     heads) with the value Megatron derives, a section the recipe turns off (MoE without experts) with
-    nothing. The outcome is R's own (FP8 cannot run here: exit 3; FP4 with the local spec is refused: 2; the
-    large recipes render TE's spec: exit 3), never a disagreement."""
+    nothing. The outcome is R's own (FP8 and FP4 with the local spec are refused: exit 2; the large recipes
+    render TE's spec: exit 3), never a disagreement."""
     from megatron_bitdet.recipe import load_recipe
 
     assert {p.stem for p in (REPO / "recipes").glob("*.yaml")} == {"nemotron_h_tiny", "nemotron_h_tiny_bf16",
@@ -299,7 +302,6 @@ SOFTMAX_KERNEL_SHAPE = {"seq_length": 64, "micro_batch_size": 2, "num_attention_
 MACHINE_ROWS = [
     ({"transformer_impl": "transformer_engine"}, "add --transformer-impl local"),
     ({"position_embedding_type": "rope", "apply_rope_fusion": True}, "add --no-rope-fusion"),
-    ({"fp8": "hybrid"}, "drop --fp8-format"),
     ({"moe_permute_fusion": True}, "drop --moe-permute-fusion"),
     ({"tp_comm_overlap": True}, "drop --tp-comm-overlap"),
     ({"gradient_accumulation_fusion": True}, "add --no-gradient-accumulation-fusion"),
@@ -360,6 +362,22 @@ def test_the_local_gpt_norm_refuses_what_its_rows_name():
             WrappedTorchNorm(TransformerConfig(**{**base, field: True, "tensor_model_parallel_size": tp}), 8)
 
 
+@contextlib.contextmanager
+def one_rank_group(tmp_path):
+    """A 1-rank gloo group (the default one, unless a test before made it): what megatron-core's tensor-parallel
+    layers are built with."""
+    import torch.distributed as dist
+
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD
+    finally:
+        if owns:
+            dist.destroy_process_group()
+
+
 def test_the_fused_kernel_rows_are_megatron_cores_own_failures(tmp_path):
     """The rows for RoPE fusion, gradient-accumulation fusion, the masked softmax, --moe-permute-fusion and
     --transformer-impl transformer_engine are what megatron-core's own pieces refuse without TE / Apex /
@@ -370,7 +388,6 @@ def test_the_fused_kernel_rows_are_megatron_cores_own_failures(tmp_path):
     import argparse
 
     import torch
-    import torch.distributed as dist
 
     from megatron_bitdet.compat import cpu_backend
     from megatron_bitdet.megatron_lm.machine import missing
@@ -407,21 +424,15 @@ def test_the_fused_kernel_rows_are_megatron_cores_own_failures(tmp_path):
         mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
     runs_here = dict(transformer_impl="local", spec=None, position_embedding_type="none", no_persist_layer_norm=True)
     assert missing(argparse.Namespace(**runs_here, te_rng_tracker=True), None, "pretrain_gpt.py", "*-") == []
-    owns = not dist.is_initialized()
-    if owns:
-        dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
-    try:
+    with one_rank_group(tmp_path) as group:
         for fusion in (False, True):
             build = lambda: ColumnParallelLinear(8, 8, config=TransformerConfig(  # noqa: E731
-                **base, gradient_accumulation_fusion=fusion), init_method=None, bias=False, tp_group=dist.group.WORLD)
+                **base, gradient_accumulation_fusion=fusion), init_method=None, bias=False, tp_group=group)
             if fusion:
                 with pytest.raises(RuntimeError, match="fused_weight_gradient_mlp_cuda"):
                     build()
             else:
                 build()
-    finally:
-        if owns:
-            dist.destroy_process_group()
     softmax = FusedScaleMaskSoftmax(input_in_fp16=False, input_in_bf16=True, attn_mask_type=AttnMaskType.causal,
                                     scaled_masked_softmax_fusion=True, mask_func=attention_mask_func,
                                     softmax_in_fp32=True, scale=None)
@@ -433,6 +444,100 @@ def test_the_fused_kernel_rows_are_megatron_cores_own_failures(tmp_path):
         ["masked-softmax fusion (on by default) with --bf16/--fp16"]
     softmax(torch.zeros(b, heads, 16, 16, dtype=torch.bfloat16), None)  # torch's softmax: nothing to refuse
     assert missing(argparse.Namespace(**{**line, "seq_length": 16}), None, "pretrain_gpt.py", "*-") == []
+
+
+def test_fp8_with_the_local_spec_computes_no_fp8(tmp_path):
+    """--fp8-format is no machine row: without TE megatron-core builds an FP8 config and its FP8 context is a
+    nullcontext, so a local ColumnParallelLinear of that config, inside the context a layer enters, gives the
+    bits of the same linear without FP8 (where an FP8 input alone changes them). The line would train, silently
+    not in FP8: with the local spec it is refused (``args.fp8_issue``, on any machine), and lists no row."""
+    import argparse
+    from contextlib import nullcontext
+
+    import torch
+
+    from megatron_bitdet.compat import cpu_backend
+    from megatron_bitdet.megatron_lm.args import fp8_issue
+    from megatron_bitdet.megatron_lm.machine import missing, te_here
+
+    if te_here():
+        pytest.skip("judges a machine without Transformer Engine")
+    cpu_backend.install()
+    from megatron.core.fp8_utils import get_fp8_context
+    from megatron.core.tensor_parallel import ColumnParallelLinear
+    from megatron.core.transformer import TransformerConfig
+
+    base = dict(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True, bf16=True,
+                params_dtype=torch.bfloat16, gradient_accumulation_fusion=False)
+    configs = TransformerConfig(**base), TransformerConfig(**base, fp8="hybrid", fp8_recipe="delayed")
+    assert type(get_fp8_context(configs[1])) is nullcontext
+    gen = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(4, 1, 8, generator=gen).bfloat16(), torch.randn(8, 8, generator=gen).bfloat16()
+    with one_rank_group(tmp_path) as group:
+        linears = [ColumnParallelLinear(8, 8, config=c, init_method=torch.nn.init.zeros_, bias=False, tp_group=group)
+                   for c in configs]
+        for linear, config in zip(linears, configs):
+            linear.weight.data.copy_(weight)
+        plain = linears[0](x)[0]
+        with get_fp8_context(configs[1]):
+            under_fp8 = linears[1](x)[0]
+        quantized = linears[0](x.to(torch.float8_e4m3fn).bfloat16())[0]
+    assert under_fp8.dtype == torch.bfloat16 and torch.equal(under_fp8.view(torch.int16), plain.view(torch.int16))
+    assert not torch.equal(quantized.view(torch.int16), plain.view(torch.int16))  # FP8 would show in the bits
+    line = argparse.Namespace(transformer_impl="local", spec=None, position_embedding_type="none",
+                              no_persist_layer_norm=True, fp8="hybrid", fp8_recipe="delayed")
+    assert missing(line, None, "pretrain_gpt.py", "*-") == []
+    assert "the run would not compute in FP8" in fp8_issue(line, "local") and fp8_issue(line, "te") is None
+
+
+@megatron_lm
+def test_batch_invariant_mode_needs_megatron_cores_triton_kernels():
+    """The --batch-invariant-mode row: Megatron-LM's initialize_megatron, before any model is built, turns the
+    mode on with megatron-core's batch_invariant_kernels, a module that imports Triton at load: here (no GPU,
+    no Triton) it cannot be loaded, and bitdet's CPU stand-in for it raises saying so. TransformerConfig's
+    'only supports FlashAttention' assert comes later, at model build, and holds on every machine (Megatron's
+    own refusal of a line without --attention-backend flash, not this machine's)."""
+    import argparse
+    import importlib.util
+    import inspect
+    import sys
+
+    import torch
+
+    from megatron_bitdet.compat.cpu_backend import training as cpu_training
+    from megatron_bitdet.errors import BitdetError
+    from megatron_bitdet.megatron_lm.machine import missing
+
+    if torch.cuda.is_available() or importlib.util.find_spec("triton") is not None:
+        pytest.skip("judges a machine without a GPU and Triton")
+    if MEGATRON_LM not in sys.path:
+        sys.path.append(MEGATRON_LM)  # as the entry point puts the script's folder
+    cpu_training.install()
+    import megatron.core.transformer.custom_layers as layers
+
+    real = importlib.util.spec_from_file_location("batch_invariant_kernels_as_shipped",
+                                                  os.path.join(os.path.dirname(layers.__file__),
+                                                               "batch_invariant_kernels.py"))
+    with pytest.raises(ModuleNotFoundError, match="triton"):
+        real.loader.exec_module(importlib.util.module_from_spec(real))
+    from megatron.training import initialize
+
+    source = inspect.getsource(initialize.initialize_megatron)
+    assert "if args.batch_invariant_mode:" in source and "enable_batch_invariant_mode()" in source
+    with pytest.raises(BitdetError, match="Triton is unavailable here"):
+        initialize.enable_batch_invariant_mode()
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.enums import AttnBackend
+
+    base = dict(num_layers=1, hidden_size=8, num_attention_heads=2, batch_invariant_mode=True)
+    with pytest.raises(AssertionError, match="only supports FlashAttention"):
+        TransformerConfig(**base)
+    TransformerConfig(**base, attention_backend=AttnBackend.flash)
+    line = argparse.Namespace(transformer_impl="local", spec=None, position_embedding_type="none",
+                              no_persist_layer_norm=True, batch_invariant_mode=True)
+    assert [r.needs for r in missing(line, None, "pretrain_gpt.py", "*-")] == [
+        "megatron-core's Triton kernels on a GPU (Megatron-LM's initialize_megatron turns them on before the model "
+        "is built; their module imports Triton)"]
 
 
 @megatron_lm

@@ -140,22 +140,44 @@ def te_fp4_facts() -> tuple[str | None, tuple[int, int] | None]:
     return version, tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None
 
 
+def _emulation(kind: str) -> str:
+    """Where bitdet's own emulation of ``kind`` (FP8 / FP4) trains instead: its shipped recipe."""
+    return (f"; to train {kind} on CPU, run bitdet's emulation (NVIDIA's recipe, same model.{kind.lower()} keys): "
+            f"bitdet verify-resume --recipe recipes/nemotron_h_tiny_{kind.lower()}.yaml")
+
+
+def _no_local_path(flags: str, kind: str) -> str:
+    """Why a low-precision flag is refused with the local spec: megatron-core's FP8 / FP4 context is Transformer
+    Engine's autocast (``fp8_utils.get_fp8_context`` / ``get_fp4_context``: a nullcontext without TE), which
+    only TE's modules obey; the local linears compute in the line's dtype, so the run would silently not
+    compute in ``kind``. bitdet's emulated linears are not swapped into a Megatron-LM launch."""
+    return (f"{flags} with the local spec: megatron-core's local linears have no {kind} path (its {kind} context is "
+            f"Transformer Engine's autocast, a no-op without TE): the run would not compute in {kind}"
+            + _emulation(kind))
+
+
+def fp8_issue(args, spec: str) -> str | None:
+    """Why Megatron-LM's FP8 flags are refused (None: no FP8 asked for, or a spec of TE's modules, whose
+    FP8 is TE's own): with the local spec the run would not compute in FP8 (``_no_local_path``).
+    ``spec``: the derived ``model.spec``."""
+    if not getattr(args, "fp8", None) or spec != "local":
+        return None
+    return _no_local_path(f"--fp8-format {args.fp8} --fp8-recipe {args.fp8_recipe}", "FP8")
+
+
 def fp4_issue(args, spec: str) -> str | None:
     """Why Megatron-LM's FP4 flags are refused (None: no FP4 asked for): megatron-core routes config.fp4
     to Transformer Engine's NVFP4BlockScaling whatever the spec (``te_fp4_refusal``), and bitdet's
-    emulated NVFP4 linears are not swapped into a Megatron-LM launch (megatron would still enter TE's
-    FP4 autocast around them). ``spec``: the derived ``model.spec``."""
+    emulated NVFP4 linears are not swapped into a Megatron-LM launch (``_no_local_path``). ``spec``: the
+    derived ``model.spec``."""
     if not getattr(args, "fp4", None):
         return None
     flags = f"--fp4-format {args.fp4} --fp4-recipe {_fp4_recipe(args)}"
-    emulation = ("; to train NVFP4 on CPU, run bitdet's emulation (NVIDIA's recipe, same model.fp4 keys): "
-                 "bitdet verify-resume --recipe recipes/nemotron_h_tiny_fp4.yaml")
     if _fp4_recipe(args) != "nvfp4":
         return f"{flags}: bitdet judges the nvfp4 recipe only (a custom quantizer factory is not known to it)"
     if spec == "local":
-        return (f"{flags} with the local spec: megatron-core's local linears have no FP4 path (its FP4 context is "
-                f"Transformer Engine's autocast, a no-op without TE): the run would not compute in FP4{emulation}")
-    return f"{flags} under Transformer Engine: {te_fp4_refusal(*te_fp4_facts())}{emulation}"
+        return _no_local_path(flags, "FP4")
+    return f"{flags} under Transformer Engine: {te_fp4_refusal(*te_fp4_facts())}{_emulation('FP4')}"
 
 
 def _fp8(name):
@@ -357,9 +379,10 @@ def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str 
                                  f"{flag} gives {theirs!r} (render agreeing flags with `bitdet recipe megatron-args`)")
     if conflicts:
         raise BitdetInputError("recipe and Megatron-LM flags disagree:\n  " + "\n  ".join(conflicts))
-    issue = fp4_issue(args, _get(derived, "model.spec"))
-    if issue:
-        raise BitdetInputError(f"these Megatron-LM flags are refused: {issue}")
+    spec = _get(derived, "model.spec")
+    issues = [issue for issue in (fp8_issue(args, spec), fp4_issue(args, spec)) if issue]
+    if issues:
+        raise BitdetInputError("these Megatron-LM flags are refused: " + "\n  ".join(issues))
     tree = {"name": base.name if base is not None else f"megatron-lm:{script}", **derived}
     tree["data"] = {"corpus": data or "megatron-lm data args"}
     if getattr(args, "split", None):  # --split (Megatron's own default with --data-path), as the run reads it

@@ -45,7 +45,8 @@ def _have(name: str) -> bool:
 
 
 def te_here() -> bool:
-    """Transformer Engine imports here (its PyTorch part: without CUDA it raises, not only ImportError)."""
+    """Transformer Engine imports here (its PyTorch part: without CUDA it raises, not only ImportError): the one
+    answer every part of bitdet asks (the launch line's rows, the rendered spec, ``bitdet train``'s spec family)."""
     return _imports("transformer_engine") and _imports("transformer_engine.pytorch")
 
 
@@ -96,10 +97,9 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
         if get("position_embedding_type") in ("rope", "yarn", "mrope") and get("apply_rope_fusion"):
             out.append(Missing("RoPE fusion (on by default with rope)", "Transformer Engine's fused RoPE",
                                "add --no-rope-fusion"))
-        if get("fp8"):
-            out.append(Missing(f"--fp8-format {a.fp8}", "Transformer Engine on an FP8 GPU (megatron-core's FP8 "
-                               "is TE's)", "drop --fp8-format (and --fp8-recipe); bitdet's emulated FP8 runs under "
-                               "`bitdet train` (model.fp8.implementation: emulated)"))
+        # --fp8-format is no row: without TE megatron-core's FP8 context is a nullcontext and the local linears
+        # train in the line's dtype; with the local spec the line is refused (args.fp8_issue), with a TE spec that
+        # spec's own row stands
         # --te-rng-tracker is no row: without TE megatron-core builds its own tracker (``HAVE_TE and use_te_rng_tracker``)
         for flag in ("moe_permute_fusion", "moe_router_fusion", "tp_comm_overlap"):
             if get(flag):
@@ -131,8 +131,9 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
                            "use --moe-token-dispatcher-type alltoall"))
     if not cuda:
         if get("batch_invariant_mode"):
-            out.append(Missing("--batch-invariant-mode", "megatron-core's Triton kernels on a GPU",
-                               "drop --batch-invariant-mode"))
+            out.append(Missing("--batch-invariant-mode", "megatron-core's Triton kernels on a GPU (Megatron-LM's "
+                               "initialize_megatron turns them on before the model is built; their module imports "
+                               "Triton)", "drop --batch-invariant-mode"))
         if get("cuda_graph_impl", "none") != "none":
             out.append(Missing(f"CUDA graphs (--cuda-graph-impl {a.cuda_graph_impl})", "a CUDA device",
                                "drop --cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"))

@@ -20,12 +20,12 @@ ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swiglu": F.silu}
 
 def resolve_spec_family(recipe) -> str:
     """``auto`` means TE when it imports and a GPU is present, else the local pure-torch spec."""
-    from megatron_bitdet.model.specs import te_available
+    from megatron_bitdet.megatron_lm.machine import te_here
 
     family = recipe.model.spec
     if family == "auto":
-        return "te" if torch.cuda.is_available() and te_available() else "local"
-    if family == "te" and not te_available():
+        return "te" if torch.cuda.is_available() and te_here() else "local"
+    if family == "te" and not te_here():
         raise BitdetError("model.spec=te needs Transformer Engine, which does not import here; use model.spec=local")
     return family
 

@@ -48,15 +48,6 @@ class ExpertSpecProvider(LocalSpecProvider):
         return built
 
 
-def te_available() -> bool:
-    try:
-        import transformer_engine  # noqa: F401
-        import transformer_engine.pytorch  # noqa: F401
-    except Exception:  # TE raises OSError/RuntimeError, not only ImportError, without CUDA
-        return False
-    return True
-
-
 def local_stack_spec(*, num_experts: int = 0, mamba_params=None, expert_impl: str = "sequential") -> ModuleSpec:
     """The pure-torch hybrid stack: Mamba-2, attention, MLP and MoE layers."""
     backend = ExpertSpecProvider(expert_impl)
