@@ -306,7 +306,6 @@ MACHINE_ROWS = [
     ({"tp_comm_overlap": True}, "drop --tp-comm-overlap"),
     ({"gradient_accumulation_fusion": True}, "add --no-gradient-accumulation-fusion"),
     ({"masked_softmax_fusion": True, "bf16": True, **SOFTMAX_KERNEL_SHAPE}, "add --no-masked-softmax-fusion"),
-    ({"use_flash_attn": True}, "drop it (or install flash-attn on a GPU)"),
     ({"moe_token_dispatcher_type": "flex"}, "use --moe-token-dispatcher-type alltoall"),
     ({"batch_invariant_mode": True}, "drop --batch-invariant-mode"),
     ({"cuda_graph_impl": "local"}, "drop --cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"),
@@ -490,14 +489,94 @@ def test_fp8_with_the_local_spec_computes_no_fp8(tmp_path):
     assert "the run would not compute in FP8" in fp8_issue(line, "local") and fp8_issue(line, "te") is None
 
 
-@megatron_lm
-def test_batch_invariant_mode_needs_megatron_cores_triton_kernels():
-    """The --batch-invariant-mode row: Megatron-LM's initialize_megatron, before any model is built, turns the
-    mode on with megatron-core's batch_invariant_kernels, a module that imports Triton at load: here (no GPU,
-    no Triton) it cannot be loaded, and bitdet's CPU stand-in for it raises saying so. TransformerConfig's
-    'only supports FlashAttention' assert comes later, at model build, and holds on every machine (Megatron's
-    own refusal of a line without --attention-backend flash, not this machine's)."""
+def test_the_te_and_gpu_library_rows_are_megatron_cores_own_failures(tmp_path):
+    """Rows for a TE --spec, --moe-router-fusion, the flex dispatcher and CUDA graphs are what megatron-core's own
+    pieces raise here, built as a rank builds them; without the flag each builds. A TE spec imports (megatron-core
+    binds TE's absent names to MagicMocks) and fails at model build, where build_module meets a mock. The flash
+    backend is no row: megatron-core's local attention with it runs where flash-attn is absent."""
     import argparse
+    import importlib.util
+    from unittest.mock import MagicMock
+
+    import torch
+
+    from megatron_bitdet.compat import cpu_backend
+    from megatron_bitdet.megatron_lm.machine import missing
+
+    if torch.cuda.is_available():
+        pytest.skip("judges a machine without CUDA, TE, DeepEP and flash-attn")
+    cpu_backend.install()
+    from megatron.core import parallel_state
+    from megatron.core.models.mamba import mamba_layer_specs
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.tensor_parallel import random as mrandom
+    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer.dot_product_attention import DotProductAttention
+    from megatron.core.transformer.enums import AttnBackend, AttnMaskType
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
+    from megatron.core.transformer.spec_utils import build_module
+
+    runs_here = dict(transformer_impl="local", spec=None, position_embedding_type="none", no_persist_layer_norm=True)
+    rows = lambda **flags: [r.what for r in missing(argparse.Namespace(**runs_here, **flags), None,  # noqa: E731
+                                                    "pretrain_gpt.py", "*-")]
+    # --spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec: the Mamba mixer's in_proj is TE's
+    assert isinstance(mamba_layer_specs.TELayerNormColumnParallelLinear, MagicMock)
+    with pytest.raises(AttributeError, match="Mock object has no attribute 'module'"):
+        build_module(mamba_layer_specs.mamba_stack_spec.submodules.mamba_layer.submodules.mixer.submodules.in_proj)
+    assert any(r.what.startswith("--spec megatron.core.models.mamba") for r in missing(
+        argparse.Namespace(**{**runs_here, "spec": ["megatron.core.models.mamba.mamba_layer_specs", "mamba_stack_spec"]}),
+        mamba_layer_specs.mamba_stack_spec, "pretrain_mamba.py", "M*"))
+    # --moe-router-fusion: the router's top-k and aux loss take fused=config.moe_router_fusion
+    logits = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
+    moe_utils.topk_routing_with_score_function(logits, 2, use_pre_softmax=False, fused=False)
+    with pytest.raises(ValueError, match="fused_topk_with_score_function is not available"):
+        moe_utils.topk_routing_with_score_function(logits, 2, use_pre_softmax=False, fused=True)
+    assert rows(moe_router_fusion=True) == ["--moe-router-fusion"]
+    # the flex dispatcher: its DeepEP / HybridEP manager builds a deep_ep buffer
+    base = dict(num_layers=1, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True)
+    config = TransformerConfig(**base, num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8)
+    with pytest.raises(ImportError, match="DeepEP is not installed"):
+        token_dispatcher._DeepepManager(None, num_local_experts=2, router_topk=2, num_experts=4, config=config)
+    with pytest.raises(ImportError, match="HybridEP is not installed"):
+        token_dispatcher._HybridEPManager(None, num_local_experts=2, num_experts=4, config=config)
+    assert rows(moe_token_dispatcher_type="flex") == rows(moe_token_dispatcher_type="flex",
+                                                          moe_flex_dispatcher_backend="hybridep") == \
+        ["--moe-token-dispatcher-type flex"]
+    # CUDA graphs: Megatron-LM's _set_random_seed passes use_cudagraphable_rng=(cuda_graph_impl != "none")
+    mrandom.CudaRNGStatesTracker(use_cudagraphable_rng=False)
+    with pytest.raises(AssertionError, match="cudagraphs with RNG, however not detected in pytorch"):
+        mrandom.CudaRNGStatesTracker(use_cudagraphable_rng=True)
+    assert rows(cuda_graph_impl="local") == ["CUDA graphs (--cuda-graph-impl local)"]
+    # the flash backend: the local attention runs without flash-attn, and no row
+    assert importlib.util.find_spec("flash_attn") is None
+    saved = mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    with one_rank_group(tmp_path) as group:
+        try:
+            mrandom.initialize_rng_tracker(force_reset=True)
+            mrandom.get_cuda_rng_tracker().add(mrandom._MODEL_PARALLEL_RNG_TRACKER_NAME, 1)
+            if parallel_state._GLOBAL_MEMORY_BUFFER is None:
+                parallel_state._set_global_memory_buffer()
+            attention = DotProductAttention(TransformerConfig(**base, attention_backend=AttnBackend.flash),
+                                            layer_number=1, attn_mask_type=AttnMaskType.causal, attention_type="self",
+                                            pg_collection=ProcessGroupCollection(tp=group, cp=group))
+            q = torch.randn(4, 1, 2, 4, generator=torch.Generator().manual_seed(0))
+            assert attention(q, q, q, None).shape == (4, 1, 8)
+        finally:
+            mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+    assert rows(use_flash_attn=True) == rows(attention_backend=AttnBackend.flash) == []
+
+
+@megatron_lm
+def test_the_rows_megatron_lm_fails_on_before_the_model_is_built():
+    """Rows whose failure is Megatron-LM's own, in a rank before any model is built, shown on its real pieces:
+    --moe-grouped-gemm (validate_args reads the CUDA device's compute capability: the line validates without
+    it), --tp-comm-overlap (initialize_megatron's _initialize_tp_communicators imports TE) and
+    --batch-invariant-mode (initialize_megatron turns on megatron-core's batch_invariant_kernels, a module that
+    imports Triton at load: here it cannot be loaded, and bitdet's CPU stand-in for it raises saying so).
+    TransformerConfig's 'only supports FlashAttention' assert comes later, at model build, and holds on every
+    machine (Megatron's own refusal of a batch-invariant line without --attention-backend flash)."""
+    import argparse
+    import copy
     import importlib.util
     import inspect
     import sys
@@ -507,12 +586,34 @@ def test_batch_invariant_mode_needs_megatron_cores_triton_kernels():
     from megatron_bitdet.compat.cpu_backend import training as cpu_training
     from megatron_bitdet.errors import BitdetError
     from megatron_bitdet.megatron_lm.machine import missing
+    from test_megatron_lm import MAMBA
 
     if torch.cuda.is_available() or importlib.util.find_spec("triton") is not None:
         pytest.skip("judges a machine without a GPU and Triton")
     if MEGATRON_LM not in sys.path:
         sys.path.append(MEGATRON_LM)  # as the entry point puts the script's folder
     cpu_training.install()
+    from megatron.training import initialize
+    from megatron.training.arguments import add_megatron_arguments, validate_args
+
+    runs_here = dict(transformer_impl="local", spec=None, position_embedding_type="none", no_persist_layer_norm=True)
+    rows = lambda **flags: [r.what for r in missing(argparse.Namespace(**runs_here, **flags), None,  # noqa: E731
+                                                    "pretrain_gpt.py", "*-")]
+    parser = add_megatron_arguments(argparse.ArgumentParser(allow_abbrev=False))
+    for flag in ([], ["--moe-grouped-gemm"]):
+        line = parser.parse_args([w for w in MAMBA if w != "--deterministic-mode"] + flag)  # bitdet judges that
+        line.rank, line.world_size = 0, 2
+        if flag:
+            with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+                validate_args(copy.deepcopy(line), {})
+        else:
+            validate_args(copy.deepcopy(line), {})
+    assert rows(moe_grouped_gemm=True) == ["--moe-grouped-gemm (not swapped)"]
+    source = inspect.getsource(initialize.initialize_megatron)
+    assert "if args.tp_comm_overlap:" in source and "_initialize_tp_communicators()" in source
+    with pytest.raises(RuntimeError, match="needs 'yaml' and 'transformer_engine' packages"):
+        initialize._initialize_tp_communicators()
+    assert rows(tp_comm_overlap=True) == ["--tp-comm-overlap"]
     import megatron.core.transformer.custom_layers as layers
 
     real = importlib.util.spec_from_file_location("batch_invariant_kernels_as_shipped",
@@ -520,9 +621,6 @@ def test_batch_invariant_mode_needs_megatron_cores_triton_kernels():
                                                                "batch_invariant_kernels.py"))
     with pytest.raises(ModuleNotFoundError, match="triton"):
         real.loader.exec_module(importlib.util.module_from_spec(real))
-    from megatron.training import initialize
-
-    source = inspect.getsource(initialize.initialize_megatron)
     assert "if args.batch_invariant_mode:" in source and "enable_batch_invariant_mode()" in source
     with pytest.raises(BitdetError, match="Triton is unavailable here"):
         initialize.enable_batch_invariant_mode()
@@ -533,11 +631,7 @@ def test_batch_invariant_mode_needs_megatron_cores_triton_kernels():
     with pytest.raises(AssertionError, match="only supports FlashAttention"):
         TransformerConfig(**base)
     TransformerConfig(**base, attention_backend=AttnBackend.flash)
-    line = argparse.Namespace(transformer_impl="local", spec=None, position_embedding_type="none",
-                              no_persist_layer_norm=True, batch_invariant_mode=True)
-    assert [r.needs for r in missing(line, None, "pretrain_gpt.py", "*-")] == [
-        "megatron-core's Triton kernels on a GPU (Megatron-LM's initialize_megatron turns them on before the model "
-        "is built; their module imports Triton)"]
+    assert rows(batch_invariant_mode=True) == ["--batch-invariant-mode"]
 
 
 @megatron_lm

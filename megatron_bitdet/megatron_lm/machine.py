@@ -122,21 +122,25 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
                 if on:
                     out.append(Missing(what, "Apex (megatron-core's local spec falls back to WrappedTorchNorm, which "
                                        "refuses it)", fix))
-    if get("use_flash_attn") or getattr(get("attention_backend"), "name", None) == "flash":
-        if not _have("flash_attn"):
-            out.append(Missing("--use-flash-attn / --attention-backend flash", "flash-attn",
-                               "drop it (or install flash-attn on a GPU)"))
-    if get("moe_token_dispatcher_type") == "flex" and not (cuda and (_have("deep_ep") or _have("hybrid_ep"))):
-        out.append(Missing("--moe-token-dispatcher-type flex", "DeepEP / HybridEP on a GPU",
-                           "use --moe-token-dispatcher-type alltoall"))
+    # --use-flash-attn / --attention-backend flash are no row: megatron-core's local attention never calls
+    # flash-attn (the backend only sets TE's NVTE_* variables); a TE spec has its own row; in deterministic mode
+    # both are a determinism violation (flash_attention)
+    if get("moe_token_dispatcher_type") == "flex":
+        hybrid = get("moe_flex_dispatcher_backend") == "hybridep"
+        if not (cuda and _have("deep_ep") and hasattr(importlib.import_module("deep_ep"),
+                                                      "HybridEPBuffer" if hybrid else "Buffer")):
+            out.append(Missing("--moe-token-dispatcher-type flex", f"{'HybridEP' if hybrid else 'DeepEP'} on a GPU "
+                               "(megatron-core's flex dispatcher builds its deep_ep buffer)",
+                               "use --moe-token-dispatcher-type alltoall"))
     if not cuda:
         if get("batch_invariant_mode"):
             out.append(Missing("--batch-invariant-mode", "megatron-core's Triton kernels on a GPU (Megatron-LM's "
                                "initialize_megatron turns them on before the model is built; their module imports "
                                "Triton)", "drop --batch-invariant-mode"))
         if get("cuda_graph_impl", "none") != "none":
-            out.append(Missing(f"CUDA graphs (--cuda-graph-impl {a.cuda_graph_impl})", "a CUDA device",
-                               "drop --cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"))
+            out.append(Missing(f"CUDA graphs (--cuda-graph-impl {a.cuda_graph_impl})", "a CUDA device (Megatron-LM "
+                               "asks megatron-core's RNG tracker for graph-safe states, which needs PyTorch's CUDA "
+                               "graphs)", "drop --cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"))
         if get("async_save") and get("use_persistent_ckpt_worker"):  # validate_args drops --async-save without it
             out.append(Missing("--async-save --use-persistent-ckpt-worker", "a CUDA device (the persistent "
                                "checkpoint worker sets one)", "drop --use-persistent-ckpt-worker (Megatron then "
@@ -151,8 +155,8 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
                 out.append(Missing(f"--mtp-num-layers {a.mtp_num_layers} at --pipeline-model-parallel-size "
                                    f"{a.pipeline_model_parallel_size}", copy, "drop --mtp-num-layers"))
         if get("moe_grouped_gemm"):
-            out.append(Missing("--moe-grouped-gemm (not swapped)", "a CUDA device (validate_args reads its "
-                               "compute capability) and Transformer Engine", "drop --moe-grouped-gemm"))
+            out.append(Missing("--moe-grouped-gemm (not swapped)", "a CUDA device (Megatron-LM's validate_args "
+                               "reads its compute capability)", "drop --moe-grouped-gemm"))
     return out
 
 
