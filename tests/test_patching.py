@@ -103,7 +103,9 @@ def test_target_exists_and_megatron_code_reads_it(pid, target, optional):
 
 
 def _import_megatron_modules():
-    for package in ("megatron.core.transformer", "megatron.core.models", "megatron.core.ssm"):
+    # post_training: the entry points import its ModelOpt specs (0.18+: they bind TENorm)
+    for package in ("megatron.core.transformer", "megatron.core.models", "megatron.core.ssm",
+                    "megatron.core.post_training"):
         pkg = importlib.import_module(package)
         for info in pkgutil.walk_packages(pkg.__path__, package + "."):
             try:

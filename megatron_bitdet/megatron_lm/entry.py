@@ -86,9 +86,12 @@ def split_argv(argv: list[str]):
 def run_as_main(script: str) -> None:
     """Execute the script as ``__main__`` without putting it in ``sys.modules['__main__']``: helpers
     that spawn interpreters (dist_checkpointing's save) re-import the *entry's* main module, not the
-    script (which would run again there without the CPU seams)."""
-    with open(script, "rb") as fh:
-        code = compile(fh.read(), script, "exec")
+    script (which would run again there without the CPU seams). Without CUDA, the script's own CUDA moves
+    point at the CPU (``cpu_backend.training.script_source``)."""
+    from megatron_bitdet.compat.cpu_backend.training import script_source
+
+    with open(script, encoding="utf-8") as fh:
+        code = compile(script_source(fh.read()), script, "exec")
     exec(code, {"__name__": "__main__", "__file__": script, "__builtins__": __builtins__,
                 "__package__": None, "__spec__": None, "__loader__": None, "__cached__": None})
 

@@ -1,9 +1,10 @@
 """Hooks on Megatron-LM's own seams (``megatron.training``), installed before the script runs.
 
-- ``pretrain``: bitdet's arguments are chained into whatever ``extra_args_provider`` the script passes;
-  under ``--check`` (and a launch's preflight, before any rank starts) the parsed launch line is judged
-  (``judging``) and nothing trains.
-- ``initialize.validate_args``: before Megatron's one-at-a-time asserts, the line is judged as ``--check``
+- the call taking the launch line (``compat.args_entry``: ``pretrain`` before megatron-core 0.18,
+  ``arguments.parse_and_validate_args`` from 0.18): bitdet's arguments are chained into whatever
+  ``extra_args_provider`` the script passes; under ``--check`` (and a launch's preflight, before any rank
+  starts) the parsed launch line is judged (``judging``) and nothing trains.
+- ``validate_args`` (the binding that call reaches): before Megatron's one-at-a-time asserts, the line is judged as ``--check``
   judges it (``judging.judge_line``: a validated copy of the args becomes the run's recipe); enforcement is
   enabled and the swaps are installed — into the spec object itself where it holds what a swap replaces —
   before any process group or model exists; the manifest is written once Megatron's own ``validate_args``
@@ -304,25 +305,27 @@ def load_with_adam_fix(original, ddp_model, optimizer, *a, **kw):
 def install(session: Session) -> None:
     """Wrap Megatron-LM's seams for this session (a later session in the same process, e.g. a second
     ``--check``, replaces the earlier one's wrappers instead of stacking on them)."""
-    from megatron.training import initialize, training
+    from megatron.training import training
 
+    from megatron_bitdet.compat import args_entry
     from megatron_bitdet.train.tracing import traced_step
 
+    line_seam, validate_seam = args_entry.line_entry(), args_entry.validate_args()
     if not _ORIGINALS:
-        _ORIGINALS.update(pretrain=training.pretrain, validate_args=initialize.validate_args,
+        _ORIGINALS.update(line_entry=line_seam.original(), validate_args=validate_seam.original(),
                           iterators=training.build_train_valid_test_data_iterators, train_step=training.train_step,
                           load_checkpoint=training.load_checkpoint)
-    original_pretrain = _ORIGINALS["pretrain"]
+    original_entry = _ORIGINALS["line_entry"]
 
-    @functools.wraps(original_pretrain)
-    def pretrain(*a, extra_args_provider=None, **kw):
+    @functools.wraps(original_entry)
+    def line_entry(*a, extra_args_provider=None, **kw):
         if session.preflight:
             raise CheckDone(preflight(session, extra_args_provider, _ORIGINALS["validate_args"],
                                        kw.get("args_defaults")))
         if session.check:
             raise CheckDone(check_launch(session, extra_args_provider, _ORIGINALS["validate_args"],
                                           kw.get("args_defaults")))
-        return original_pretrain(*a, extra_args_provider=chain(extra_args_provider), **kw)
+        return original_entry(*a, extra_args_provider=chain(extra_args_provider), **kw)
 
     original_validate = _ORIGINALS["validate_args"]
 
@@ -389,10 +392,8 @@ def install(session: Session) -> None:
     def load_checkpoint(ddp_model, optimizer, *a, **kw):
         return load_with_adam_fix(original_load, ddp_model, optimizer, *a, **kw)
 
-    import megatron.training as package
-
-    training.pretrain = package.pretrain = pretrain
-    initialize.validate_args = validate_args
+    line_seam.replace(line_entry)
+    validate_seam.replace(validate_args)
     training.build_train_valid_test_data_iterators = build_train_valid_test_data_iterators
     training.train_step = train_step
     training.load_checkpoint = load_checkpoint

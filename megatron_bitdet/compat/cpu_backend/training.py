@@ -10,9 +10,11 @@ import importlib.util
 import sys
 
 import torch
+from packaging.specifiers import SpecifierSet
 
 from megatron_bitdet.compat.cpu_backend.seams import _CUDA_LITERALS, _cuda_literals_to_cpu, triton_stand_in
 from megatron_bitdet.compat.rebind import rebind
+from megatron_bitdet.compat.versions import megatron_core_version, supports
 from megatron_bitdet.errors import BitdetError
 
 _INSTALLED: list[str] = []
@@ -135,10 +137,10 @@ def prebuilt_helpers():
 
 def no_jit_warmup():
     """``set_jit_fusion_options`` warms megatron's fused bias-GeLU / SwiGLU / dropout-add up on CUDA
-    tensors; there is nothing to warm up on CPU."""
+    tensors; there is nothing to warm up on CPU (0.19 passes it ``tp_size=``)."""
     from megatron.training import initialize
 
-    initialize._warmup_jit_function = lambda: None
+    initialize._warmup_jit_function = lambda **_: None
 
 
 def device_arch():
@@ -172,11 +174,43 @@ def training_device_literals():
         "megatron.training.training:evaluate",
         "megatron.training.training:evaluate_and_print_results",
         "megatron.training.training:build_train_valid_test_data_loaders",
-        "megatron.training.utils:calc_params_l2_norm",
-        "megatron.training.utils:calc_dtensor_params_l2_norm",
-        "megatron.training.utils:get_batch_on_this_tp_rank",
+        *_moved_targets(),
     ):
         _cuda_literals_to_cpu(target, _TRAINING_LITERALS, _modules())
+
+
+def _moved_targets() -> list[str]:
+    """The CUDA-literal functions whose home depends on the version (read in the 0.16.1, 0.17.1, 0.18.2 and
+    0.19.2 sources; run on 0.16.1 and 0.19.2). ``megatron.training.utils`` is a module before 0.18, a package
+    from 0.18 whose functions live in ``utils.common_utils`` (re-exported by the package), and
+    ``get_batch_on_this_tp_rank`` moved to ``megatron.core.utils``, whose only device is
+    ``torch.cuda.current_device()`` (the CPU under the megatron-core seams). From 0.18 the config-container
+    path (``pretrain_hybrid.py``) places the built chunks on the device in ``training.models.dist_utils``
+    (``get_model`` is not called there). From 0.19 the norm's literals are in its helper ``_compute_norm_2``,
+    and the placement moved to ``prepare_existing_model_chunks_for_distributed_training``."""
+    found = megatron_core_version()
+    if supports(found, SpecifierSet("<0.18")):
+        utils = "megatron.training.utils"
+        return [f"{utils}:calc_params_l2_norm", f"{utils}:calc_dtensor_params_l2_norm",
+                f"{utils}:get_batch_on_this_tp_rank"]
+    utils, dist = "megatron.training.utils.common_utils", "megatron.training.models.dist_utils"
+    if supports(found, SpecifierSet("<0.19")):
+        return [f"{utils}:calc_params_l2_norm", f"{utils}:calc_dtensor_params_l2_norm",
+                f"{dist}:unimodal_build_distributed_models"]
+    return [f"{utils}:_compute_norm_2", f"{utils}:calc_dtensor_params_l2_norm",
+            f"{dist}:prepare_existing_model_chunks_for_distributed_training"]
+
+
+def script_source(source: str) -> str:
+    """The launched script's source with its own CUDA moves pointed at the CPU, once the seams are installed
+    (unchanged otherwise): from 0.18 the entry points' ``get_batch`` moves each batch tensor itself
+    (``batch[key].cuda(non_blocking=True)``), which ``get_batch_on_this_tp_rank`` did before (rewritten above).
+    Line for line, so a traceback still points at the script's own lines."""
+    if not _INSTALLED:
+        return source
+    for old, new in _TRAINING_LITERALS:
+        source = source.replace(old, new)
+    return source
 
 
 SEAMS = [batch_invariant_kernels, allow_no_cuda, model_parallel_groups, tensor_parallel_seed, prebuilt_helpers,
