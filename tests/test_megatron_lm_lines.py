@@ -566,6 +566,48 @@ def test_the_te_and_gpu_library_rows_are_megatron_cores_own_failures(tmp_path):
     assert rows(use_flash_attn=True) == rows(attention_backend=AttnBackend.flash) == []
 
 
+def test_tied_embeddings_and_mtp_at_pp_above_one_are_megatron_cores_cuda_copy(tmp_path):
+    """The PP > 1 rows: megatron-core's LanguageModule, built by a pipeline stage holding the embedding (a 1-rank
+    group stands for its embedding group), moves the shared embedding with .cuda() when the embeddings are tied
+    (Megatron's default) or MTP is on; untied, without MTP, it builds."""
+    import argparse
+
+    import torch
+
+    from megatron_bitdet.compat import cpu_backend
+    from megatron_bitdet.megatron_lm.machine import missing
+
+    if torch.cuda.is_available():
+        pytest.skip("judges a machine without CUDA")
+    cpu_backend.install()
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer import TransformerConfig
+
+    base = dict(num_layers=2, hidden_size=8, num_attention_heads=2, use_cpu_initialization=True,
+                pipeline_model_parallel_size=2, pipeline_dtype=torch.float32, persist_layer_norm=False)
+    with one_rank_group(tmp_path) as group:
+        pg = ProcessGroupCollection(**{name: group for name in ("tp", "cp", "pp", "embd", "pos_embd", "dp", "dp_cp")})
+        for tied, mtp in ((False, 0), (True, 0), (False, 1)):
+            build = lambda: GPTModel(TransformerConfig(**base, mtp_num_layers=mtp or None),  # noqa: E731
+                                     get_gpt_layer_local_spec(), vocab_size=16, max_sequence_length=8,
+                                     pre_process=True, post_process=False, share_embeddings_and_output_weights=tied,
+                                     pg_collection=pg)
+            if tied or mtp:
+                with pytest.raises(AssertionError, match="Torch not compiled with CUDA enabled"):
+                    build()
+            else:
+                build()
+    line = dict(transformer_impl="local", spec=None, position_embedding_type="none", no_persist_layer_norm=True,
+                pipeline_model_parallel_size=2)
+    rows = lambda **flags: [r.fix for r in missing(argparse.Namespace(**line, **flags), None,  # noqa: E731
+                                                   "pretrain_gpt.py", "*-")]
+    assert rows() == ["add --untie-embeddings-and-output-weights"]
+    assert rows(untie_embeddings_and_output_weights=True, mtp_num_layers=1) == ["drop --mtp-num-layers"]
+    assert rows(untie_embeddings_and_output_weights=True) == []
+
+
 @megatron_lm
 def test_the_rows_megatron_lm_fails_on_before_the_model_is_built():
     """Rows whose failure is Megatron-LM's own, in a rank before any model is built, shown on its real pieces:
