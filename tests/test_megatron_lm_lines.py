@@ -608,6 +608,30 @@ def test_tied_embeddings_and_mtp_at_pp_above_one_are_megatron_cores_cuda_copy(tm
     assert rows(untie_embeddings_and_output_weights=True) == []
 
 
+def test_the_persistent_checkpoint_worker_picks_a_cuda_device():
+    """The --async-save --use-persistent-ckpt-worker row: megatron-core's persistent checkpoint worker (the
+    process Megatron-LM's async save hands every checkpoint to) starts by picking a CUDA device,
+    ``rank % torch.cuda.device_count()``: with no device it dies there, before it saves anything."""
+    import argparse
+
+    import torch
+
+    from megatron_bitdet.megatron_lm.machine import missing
+
+    if torch.cuda.is_available():
+        pytest.skip("judges a machine without CUDA")
+    from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
+
+    with pytest.raises(ZeroDivisionError):
+        PersistentAsyncCaller.async_loop(0, None, None, None)  # its queues are first read after the device
+    line = dict(transformer_impl="local", spec=None, position_embedding_type="none", no_persist_layer_norm=True,
+                async_save=True)
+    rows = lambda **flags: [r.what for r in missing(argparse.Namespace(**line, **flags), None,  # noqa: E731
+                                                    "pretrain_gpt.py", "*-")]
+    assert rows(use_persistent_ckpt_worker=True) == ["--async-save --use-persistent-ckpt-worker"]
+    assert rows() == []  # validate_args turns --async-save off without the worker: it saves synchronously
+
+
 @megatron_lm
 def test_the_rows_megatron_lm_fails_on_before_the_model_is_built():
     """Rows whose failure is Megatron-LM's own, in a rank before any model is built, shown on its real pieces:

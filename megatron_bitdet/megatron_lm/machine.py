@@ -143,7 +143,7 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
                                "graphs)", "drop --cuda-graph-impl / --enable-cuda-graph / --external-cuda-graph"))
         if get("async_save") and get("use_persistent_ckpt_worker"):  # validate_args drops --async-save without it
             out.append(Missing("--async-save --use-persistent-ckpt-worker", "a CUDA device (the persistent "
-                               "checkpoint worker sets one)", "drop --use-persistent-ckpt-worker (Megatron then "
+                               "checkpoint worker picks one: rank % torch.cuda.device_count())", "drop --use-persistent-ckpt-worker (Megatron then "
                                "turns --async-save off and saves synchronously)"))
         copy = "a CUDA device (megatron-core's LanguageModule moves the last stage's embedding copy with .cuda())"
         if (get("pipeline_model_parallel_size") or 1) > 1:
