@@ -4,5 +4,6 @@
 megatron's import-time copies of a function. ``cpu_backend``: the CPU seams. ``patching``: the
 declared swaps (``patches/*.yaml``). ``collectives``: torch.distributed swaps. ``checkpoint``: the
 optimizer-restore workarounds. ``buffers``: megatron's scratch memory. ``builders``: layer-spec builder
-shapes. ``args_entry``: where Megatron-LM takes the launch line.
+shapes. ``args_entry``: where Megatron-LM takes the launch line. ``rng_checkpoint``: the EP ranks'
+checkpointed RNG states.
 """

@@ -18,6 +18,8 @@
   the step's wall time in a file of its own (``timings``: the tax of a launch line); with ``--trace`` the
   steps in the window are traced as ``bitdet train`` traces them (``train.tracing``: phases forward /
   backward inside Megatron's forward_backward_func, grad_reduce, optimizer; bookkeeping untraced).
+- checkpoint RNG states: each EP rank saves and restores its own (``compat.rng_checkpoint``: 0.17+ keeps DP
+  rank 0's only).
 - checkpoint load: megatron-core 0.16.1's distributed optimizer with torch's Adam (the same two step
   bugs ``bitdet train`` works around).
 - ``STEP_HOOKS``: ``train.loop.StepHook``s a rank worker adds before the script runs (``bitdet replay``'s
@@ -307,9 +309,10 @@ def install(session: Session) -> None:
     ``--check``, replaces the earlier one's wrappers instead of stacking on them)."""
     from megatron.training import training
 
-    from megatron_bitdet.compat import args_entry
+    from megatron_bitdet.compat import args_entry, rng_checkpoint
     from megatron_bitdet.train.tracing import traced_step
 
+    rng_checkpoint.install()
     line_seam, validate_seam = args_entry.line_entry(), args_entry.validate_args()
     if not _ORIGINALS:
         _ORIGINALS.update(line_entry=line_seam.original(), validate_args=validate_seam.original(),
