@@ -23,6 +23,8 @@ import warnings
 from megatron_bitdet.enforce.megatron import MEGATRON_FLAG_RULES
 from megatron_bitdet.errors import BitdetInputError
 
+# the hybrid Mamba entry points: pretrain_hybrid.py from Megatron-LM 0.18 (pretrain_mamba.py then runs it)
+HYBRID_SCRIPTS = ("pretrain_mamba.py", "pretrain_hybrid.py")
 NEUTRAL = {"deterministic_mode": False, "fp4": None, **{flag: False for flag in MEGATRON_FLAG_RULES}}
 
 
@@ -64,15 +66,16 @@ def unsupported(args, script: str) -> list[str]:
         problems.append("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: "
                         "megatron-core's MambaStack asserts 'The Mamba hybrid model does not currently support "
                         "virtual/interleaved pipeline parallelism'; fix: drop it (pretrain_gpt.py takes it)")
-    if script == "pretrain_mamba.py":
+    if script in HYBRID_SCRIPTS:
         problems += _mamba_heads(args)
     return problems
 
 
 def _mamba_heads(args) -> list[str]:
-    """megatron-core 0.16.1's ``MambaMixer.__init__`` arithmetic on the flags (``expand``: the ``--spec``'s
-    mixer params, else 2): heads from ``--mamba-num-heads``, else ``expand * --hidden-size / --mamba-head-dim``;
-    every TP rank one head and one group, every group whole heads. Each assert it would raise in every rank."""
+    """megatron-core's ``MambaMixer.__init__`` arithmetic (the same asserts in 0.16.1 and 0.19.2) on the flags
+    (``expand``: the ``--spec``'s mixer params, else 2): heads from ``--mamba-num-heads``, else ``expand *
+    --hidden-size / --mamba-head-dim``; every TP rank one head and one group, every group whole heads. Each
+    assert it would raise in every rank."""
     from megatron_bitdet.megatron_lm.args import _mixer_param, hybrid_pattern
 
     if "M" not in hybrid_pattern(args):
