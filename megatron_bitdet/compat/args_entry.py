@@ -46,4 +46,5 @@ def line_entry() -> Seam:
 
 def validate_args() -> Seam:
     """The ``validate_args`` binding the line entry's parse calls."""
-    return Seam("validate_args", ("megatron.training.arguments",) if _from_0_18() else ("megatron.training.initialize",))
+    holder = "megatron.training.arguments" if _from_0_18() else "megatron.training.initialize"
+    return Seam("validate_args", (holder,))

@@ -87,13 +87,29 @@ def run_as_main(script: str) -> None:
     """Execute the script as ``__main__`` without putting it in ``sys.modules['__main__']``: helpers
     that spawn interpreters (dist_checkpointing's save) re-import the *entry's* main module, not the
     script (which would run again there without the CPU seams). Without CUDA, the script's own CUDA moves
-    point at the CPU (``cpu_backend.training.script_source``)."""
+    point at the CPU (``cpu_backend.training.script_source``). A script that runs another as ``__main__``
+    through ``runpy.run_path`` (Megatron-LM 0.18+'s deprecated ``pretrain_mamba.py`` runs
+    ``pretrain_hybrid.py``) has that one run the same way."""
+    import runpy
+
     from megatron_bitdet.compat.cpu_backend.training import script_source
 
     with open(script, encoding="utf-8") as fh:
         code = compile(script_source(fh.read()), script, "exec")
-    exec(code, {"__name__": "__main__", "__file__": script, "__builtins__": __builtins__,
-                "__package__": None, "__spec__": None, "__loader__": None, "__cached__": None})
+    original = runpy.run_path
+
+    def run_path(path_name, init_globals=None, run_name=None):
+        if run_name != "__main__" or init_globals:
+            return original(path_name, init_globals, run_name)
+        run_as_main(os.fspath(path_name))
+        return {}
+
+    runpy.run_path = run_path
+    try:
+        exec(code, {"__name__": "__main__", "__file__": script, "__builtins__": __builtins__,
+                    "__package__": None, "__spec__": None, "__loader__": None, "__cached__": None})
+    finally:
+        runpy.run_path = original
 
 
 def run(script: str, rest: list[str], *, check: bool = False, world_size: int | None = None,
