@@ -216,7 +216,8 @@ def test_aux_tracker_reduction_reaches_the_rank_ordered_version(megatron_1rank, 
     assert logged() == 0.75 and calls == []
     with patched(load_declarations(ids=["moe_aux_loss"])):
         assert logged() == 0.75
-    assert calls and calls[0].tolist() == [0.75]
+    # the tracker may hold other names (zeroed, not removed) from earlier tests: each is reduced too
+    assert [c.sum().item() for c in calls].count(0.75) == 1, calls
 
 
 def test_spec_providers_hand_out_the_grouped_experts():

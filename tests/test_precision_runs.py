@@ -33,7 +33,8 @@ CONFIGS = {
 SCOPE = {"bf16": "bfloat16", "bf16_distopt": "bfloat16", "fp8": "bfloat16 fp8:delayed/hybrid",
          "fp4": "bfloat16 fp4:nvfp4/e2m1[2d_weights,hadamard,stochastic_rounding]"}
 FP4_STATE = {"fp4_sr_rng", "fp4_hadamard_signs", "fp4_block_scales", "fp4_values"}
-DIGESTS = {"bf16": {"params", "grads", "main_params", "buffers"},
+# without the distributed optimizer Adam's moments are replicated regions, digested every step (bitdet check)
+DIGESTS = {"bf16": {"params", "grads", "main_params", "buffers", "exp_avg", "exp_avg_sq"},
            "bf16_distopt": {"params", "grads", "main_params", "buffers"},
            "fp8": {"params", "grads", "main_params", "buffers", "fp8_values", "fp8_scales"},
            "fp4": {"params", "grads", "main_params", "buffers", "generators", "fp4_values", "fp4_scales"}}
