@@ -456,8 +456,9 @@ def test_fp8_with_the_local_spec_computes_no_fp8(tmp_path):
     import torch
 
     from megatron_bitdet.compat import cpu_backend
+    from megatron_bitdet.compat.extensions import te_here
     from megatron_bitdet.megatron_lm.args import fp8_issue
-    from megatron_bitdet.megatron_lm.machine import missing, te_here
+    from megatron_bitdet.megatron_lm.machine import missing
 
     if te_here():
         pytest.skip("judges a machine without Transformer Engine")

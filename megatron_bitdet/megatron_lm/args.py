@@ -58,7 +58,7 @@ def _spec_flags(family: str, mamba) -> list[str]:
     """bitdet's spec of the family (auto: TE where it imports, else local), sized to the recipe's Mamba mixer
     where it is not megatron-core's default (``specs``); without TE the local path's fused kernels
     megatron-core turns on by default are Apex / TE kernels absent here (``machine``)."""
-    from megatron_bitdet.megatron_lm.machine import te_here
+    from megatron_bitdet.compat.extensions import te_here
 
     te = te_here()
     name = "te" if family == "te" or (family == "auto" and te) else "local"
@@ -134,7 +134,7 @@ def te_fp4_facts() -> tuple[str | None, tuple[int, int] | None]:
     """This machine's facts for ``te_fp4_refusal``: TE's version where it imports, the CUDA device's capability."""
     import torch
 
-    from megatron_bitdet.megatron_lm.machine import te_here
+    from megatron_bitdet.compat.extensions import te_here
 
     version = importlib.import_module("transformer_engine").__version__ if te_here() else None
     return version, tuple(torch.cuda.get_device_capability()) if torch.cuda.is_available() else None

@@ -18,6 +18,8 @@ import importlib
 import importlib.util
 from dataclasses import dataclass
 
+from megatron_bitdet.compat.extensions import imports, te_here
+
 LOCAL_MAMBA_SPEC = "--spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec"
 TE_MAMBA_SPEC = "--spec megatron_bitdet.megatron_lm.specs te_mamba_stack_spec"
 
@@ -32,22 +34,8 @@ class Missing:
         return f"{self.what}: needs {self.needs}; fix: {self.fix}"
 
 
-def _imports(name: str) -> bool:
-    try:
-        importlib.import_module(name)
-    except Exception:  # CUDA extensions raise OSError / RuntimeError, not only ImportError, without a GPU
-        return False
-    return True
-
-
 def _have(name: str) -> bool:
-    return importlib.util.find_spec(name) is not None and _imports(name)
-
-
-def te_here() -> bool:
-    """Transformer Engine imports here (its PyTorch part: without CUDA it raises, not only ImportError): the one
-    answer every part of bitdet asks (the launch line's rows, the rendered spec, ``bitdet train``'s spec family)."""
-    return _imports("transformer_engine") and _imports("transformer_engine.pytorch")
+    return importlib.util.find_spec(name) is not None and imports(name)
 
 
 def _cuda() -> bool:

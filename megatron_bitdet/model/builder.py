@@ -20,7 +20,7 @@ ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu, "swiglu": F.silu}
 
 def resolve_spec_family(recipe) -> str:
     """``auto`` means TE when it imports and a GPU is present, else the local pure-torch spec."""
-    from megatron_bitdet.megatron_lm.machine import te_here
+    from megatron_bitdet.compat.extensions import te_here
 
     family = recipe.model.spec
     if family == "auto":
