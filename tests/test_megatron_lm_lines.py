@@ -551,6 +551,7 @@ def test_the_te_and_gpu_library_rows_are_megatron_cores_own_failures(tmp_path):
     # the flash backend: the local attention runs without flash-attn, and no row
     assert importlib.util.find_spec("flash_attn") is None
     saved = mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED
+    buffer = parallel_state._GLOBAL_MEMORY_BUFFER  # a later initialize_model_parallel asserts it is unset
     with one_rank_group(tmp_path) as group:
         try:
             mrandom.initialize_rng_tracker(force_reset=True)
@@ -564,6 +565,7 @@ def test_the_te_and_gpu_library_rows_are_megatron_cores_own_failures(tmp_path):
             assert attention(q, q, q, None).shape == (4, 1, 8)
         finally:
             mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED = saved
+            parallel_state._GLOBAL_MEMORY_BUFFER = buffer
     assert rows(use_flash_attn=True) == rows(attention_backend=AttnBackend.flash) == []
 
 
