@@ -4,11 +4,16 @@ session and read by every test that needs it (test_train, test_checkpoint).
 Also the ``megatron_lm`` marker: tests that drive Megatron-LM's own pretrain_*.py skip, naming why,
 when ``MEGATRON_LM_PATH`` holds no checkout; with ``BITDET_REQUIRE_MEGATRON_LM=1`` (``.ci/run``) such a
 skip is a failure instead; every run closes (above pytest's tally) with a line counting the Megatron-LM tests
-that ran."""
+that ran.
+
+And the megatron-core leg (``--megatron-core-leg``, ``make test-mcore-0.19``): the run leaves out the test files in
+``MEGATRON_CORE_FREE``, which never run megatron-core's code, and every run closes with a line naming the
+megatron-core version it ran on and its counts (``.ci/run`` prints it per leg)."""
 from __future__ import annotations
 
 import json
 import os
+import platform
 import shutil
 import subprocess
 import uuid
@@ -92,6 +97,54 @@ def megatron_lm_missing() -> str | None:
     return None
 
 
+# ---------------------------------------------------------------------------- the megatron-core leg
+MEGATRON_CORE_LEG = "--megatron-core-leg"
+# The one list of what the megatron-core leg leaves out: test files none of whose tests runs megatron-core's code
+# (nor Megatron-LM's), so another megatron-core version cannot change their outcome. Every other file runs.
+MEGATRON_CORE_FREE = {
+    "test_bench_fingerprint_scale.py": "docs/SCALE.md's cost model: arithmetic on the formula",
+    "test_bench_trace_training.py": "the benchmark's verdict statistics and its argument check",
+    "test_catalog.py": "the known-sources catalog as data",
+    "test_ci_skips.py": "this conftest's skip rules and .ci/run's refusals, on stand-in test files",
+    "test_compare.py": "compare on written fingerprint and TensorBoard files",
+    "test_docs.py": "docs/ read against the package's source and CLI",
+    "test_fingerprint_tensor.py": "tensor fingerprints of plain torch tensors",
+    "test_kernel_rung.py": "the kernel rung on plain torch ops and the planted examples",
+    "test_launch.py": "the launcher on plain child processes and gloo collectives",
+    "test_megatron_lm_entry.py": "entry.run_as_main on stand-in scripts, no Megatron involved",
+    "test_module_state.py": "generators and buffers of plain torch modules",
+    "test_recipe.py": "the recipe schema and its error messages",
+    "test_report.py": "report.html from written fingerprint files",
+    "test_resources.py": "package data found through the installed package",
+    "test_shards.py": "the per-step digests of plain CPU tensors",
+    "test_trace.py": "per-rank traces of plain torch ops and gloo collectives",
+    "test_wheel_install.py": "pip's resolution into a fresh venv: on Python 3.11 it takes megatron-core 0.16.1 by design",
+}
+
+
+def pytest_addoption(parser):
+    parser.addoption(MEGATRON_CORE_LEG, action="store_true",
+                     help="the megatron-core leg: leave out the test files in conftest.MEGATRON_CORE_FREE")
+
+
+def pytest_collection_modifyitems(config, items):
+    if not config.getoption(MEGATRON_CORE_LEG):
+        return
+    out = [item for item in items if item.path.name in MEGATRON_CORE_FREE]
+    if out:
+        config.hook.pytest_deselected(items=out)
+        items[:] = [item for item in items if item.path.name not in MEGATRON_CORE_FREE]
+
+
+def megatron_core_line(stats: dict, leg: bool) -> str:
+    """The run's closing line: the megatron-core version it ran on and its counts (.ci/run prints it per leg)."""
+    from importlib.metadata import version
+
+    said = ", ".join(f"{len(stats.get(k, ()))} {k}" for k in ("passed", "failed", "error", "skipped", "deselected"))
+    return (f"megatron-core {version('megatron-core')} (Python {platform.python_version()}): {said}"
+            + (f" ({MEGATRON_CORE_LEG}: {len(MEGATRON_CORE_FREE)} megatron-core-free files left out)" if leg else ""))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", f"{MEGATRON_LM_MARK}: drives Megatron-LM's pretrain_*.py (needs MEGATRON_LM_PATH)")
 
@@ -148,6 +201,7 @@ def pytest_terminal_summary(terminalreporter, config):
                 ran.add(r.nodeid)
             if r.failed:
                 failed.add(r.nodeid)
+    terminalreporter.write_line(megatron_core_line(terminalreporter.stats, config.getoption(MEGATRON_CORE_LEG)))
     line = f"Megatron-LM tests: {len(ran)} ran ({len(failed & ran)} failed), {len(skipped | refused)} skipped"
     if refused:
         line += f" ({len(refused)} counted as failures: {REQUIRE_MEGATRON_LM}=1)"
