@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-from megatron_bitdet.compat import cpu_backend
+from megatron_bitdet.compat import builders, cpu_backend
 from megatron_bitdet.enforce import Facts, apply_to_megatron_args, evaluate_rules, megatron_overrides, plan
 from megatron_bitdet.errors import BitdetInputError, DeterminismViolation
 from megatron_bitdet.recipe import RecipeError, load_recipe
@@ -27,6 +27,7 @@ EXPERTS = "moe_layer.mlp.experts"
 GROUPED_MLP = "megatron.core.transformer.moe.experts:GroupedMLP"
 TE_GROUPED_MLP = "megatron.core.transformer.moe.experts:TEGroupedMLP"
 GROUPED_PROB_MLP = "megatron_bitdet.kernels.grouped_mlp:GroupedProbMLP"
+SEQUENTIAL_MLP = "megatron.core.transformer.moe.experts:SequentialMLP"
 
 
 @pytest.fixture(scope="module")
@@ -50,59 +51,84 @@ class TEGroupedLinearStandIn:
     and to None otherwise; only whether it is None decides which experts class the TE provider returns."""
 
 
-@pytest.fixture
-def te_mamba_specs(monkeypatch):
-    """megatron-core's mamba_layer_specs module executed afresh as it executes with TE installed: the TE
-    grouped linear stand-in above is bound where TE's class would be, so ``get_moe_module_spec(use_te=True,
-    moe_grouped_gemm=True)`` at its import picks TEGroupedMLP. A private copy: the real module is untouched."""
+def stand_in_te_grouped_linear(monkeypatch):
     from megatron.core.extensions import transformer_engine_spec_provider as provider
 
     monkeypatch.setattr(provider, "TEColumnParallelGroupedLinear", TEGroupedLinearStandIn)
     monkeypatch.setattr(provider, "TERowParallelGroupedLinear", TEGroupedLinearStandIn)
-    try:  # from megatron-core 0.18 mamba_layer_specs re-exports the module that builds the spec
+
+
+@pytest.fixture
+def te_mamba_specs(monkeypatch):
+    """megatron-core's mamba_layer_specs module executed afresh as it executes with TE installed: the TE
+    grouped linear stand-in above is bound where TE's class would be, so ``get_moe_module_spec(use_te=True,
+    moe_grouped_gemm=True)`` at its import picks TEGroupedMLP. A private copy: the real module is untouched
+    (imported, if it was not, before the stand-in is bound)."""
+    real = importlib.import_module(MAMBA_SPECS)
+    try:  # from megatron-core 0.18 MAMBA_SPECS re-exports the module that builds the spec
         real = importlib.import_module(HYBRID_SPECS)
     except ModuleNotFoundError:
-        real = importlib.import_module(MAMBA_SPECS)
+        pass
+    stand_in_te_grouped_linear(monkeypatch)
     spec = importlib.util.spec_from_file_location(f"{MAMBA_SPECS}_with_te", real.__file__)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
-def test_megatrons_te_mamba_spec_holds_grouped_experts_whatever_the_flags(audit):
-    """Why 1: the spec builds its experts at import; the rule judges that class, not --moe-grouped-gemm."""
-    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
+def test_megatrons_te_mamba_spec_holds_grouped_experts_whatever_the_flags(audit, te_mamba_specs):
+    """Why 1: the spec builds its experts at import; the rule judges that class, not --moe-grouped-gemm.
+    With TE (the stand-in) it is TEGroupedMLP on every version; without TE, megatron-core before 0.17
+    builds the legacy GroupedMLP (refused alike), from 0.17 SequentialMLP on local linears (deterministic:
+    clear, and named as what runs)."""
+    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as cpu_spec
 
-    findings = audit.audit_spec(mamba_stack_spec, mem_eff_path=False)
+    spec = te_mamba_specs.mamba_stack_spec
+    findings = audit.audit_spec(spec, mem_eff_path=False)
     experts = at(findings, EXPERTS)
-    assert (experts.runs, experts.source) == (GROUPED_MLP, "grouped_gemm_dprob_atomics")  # no TE: legacy experts
-    assert audit.recipe_keys(mamba_stack_spec) == {"model.spec": "te", "model.moe.expert_impl": "te_grouped"}
+    assert (experts.runs, experts.source) == (TE_GROUPED_MLP, "grouped_gemm_dprob_atomics")
+    assert audit.recipe_keys(spec) == {"model.spec": "te", "model.moe.expert_impl": "te_grouped"}
     recipe = tiny("model.moe.expert_impl=sequential", "determinism.swaps=false")  # what the flags alone say
     assert evaluate_rules(recipe, Facts()).violations == []
     outcome = evaluate_rules(recipe, Facts(runs=audit.by_rule(findings)))
     [violation] = [v for v in outcome.violations if v.rule_id == "te_grouped_gemm"]
-    assert violation.message == f"{EXPERTS} is {GROUPED_MLP}"
+    assert violation.message == f"{EXPERTS} is {TE_GROUPED_MLP}"
     assert outcome.runs["te_grouped_gemm"] == [experts.as_dict()]
+    cpu = at(audit.audit_spec(cpu_spec), EXPERTS)
+    if builders.partial_builders():
+        assert (cpu.runs, cpu.source) == (SEQUENTIAL_MLP, None)
+        assert audit.recipe_keys(cpu_spec)["model.moe.expert_impl"] == "sequential"
+    else:
+        assert (cpu.runs, cpu.source) == (GROUPED_MLP, "grouped_gemm_dprob_atomics")
+        assert audit.recipe_keys(cpu_spec)["model.moe.expert_impl"] == "te_grouped"
+        assert evaluate_rules(recipe, Facts(runs=audit.by_rule(audit.audit_spec(cpu_spec)))).violations
 
 
 def test_te_stand_in_spec_holds_te_grouped_mlp_and_the_swap_replaces_it(audit, te_mamba_specs):
+    """megatron's own TE hybrid spec (the stand-in) is reported with TEGroupedMLP, and the swap puts
+    GroupedProbMLP there in the node's own shape (a ``partial`` builder from 0.17) on the shared experts'
+    linears: the audit then names what will be built, never the class it replaced."""
+    import functools
+
     from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec as cpu_spec
 
     from megatron_bitdet.megatron_lm import specs
 
     spec = te_mamba_specs.mamba_stack_spec
+    cpu_experts = at(audit.audit_spec(cpu_spec), EXPERTS)
     assert at(audit.audit_spec(spec), EXPERTS).runs == TE_GROUPED_MLP
     copied, done = specs.swap_grouped_experts(spec, copy=True)
     assert done == [(EXPERTS, TE_GROUPED_MLP, GROUPED_PROB_MLP)]
+    assert at(audit.audit_spec(copied), EXPERTS) == audit.Finding(EXPERTS, GROUPED_PROB_MLP, None)
     assert at(audit.audit_spec(spec), EXPERTS).runs == TE_GROUPED_MLP  # copy=True leaves the original alone
-    moe = copied.submodules.moe_layer.submodules.mlp.submodules
-    shared = moe.shared_experts.submodules
-    assert (moe.experts.submodules.linear_fc1, moe.experts.submodules.linear_fc2) == (shared.linear_fc1,
-                                                                                      shared.linear_fc2)
+    moe = builders.submodules_of(copied.submodules.moe_layer.submodules.mlp)
+    assert isinstance(moe.experts, functools.partial) is builders.partial_builders()
+    shared, experts = builders.submodules_of(moe.shared_experts), builders.submodules_of(moe.experts)
+    assert (experts.linear_fc1, experts.linear_fc2) == (shared.linear_fc1, shared.linear_fc2)
     assert copied.submodules.mamba_layer is spec.submodules.mamba_layer  # untouched nodes are shared
     in_place, _ = specs.swap_grouped_experts(spec, copy=False)  # what Megatron will build from
     assert in_place is spec and at(audit.audit_spec(spec), EXPERTS).runs == GROUPED_PROB_MLP
-    assert at(audit.audit_spec(cpu_spec), EXPERTS).runs == GROUPED_MLP  # the real module was never touched
+    assert at(audit.audit_spec(cpu_spec), EXPERTS) == cpu_experts  # the real module was never touched
 
 
 def test_gpt_te_layer_spec_walked_as_data(audit, monkeypatch):
@@ -110,7 +136,8 @@ def test_gpt_te_layer_spec_walked_as_data(audit, monkeypatch):
     Stand-ins: ``gpt_layer_specs`` binds ``TESpecProvider``, ``TENorm`` and ``TEFusedMLP`` only when
     ``import transformer_engine`` succeeds; they are bound here to megatron-core's own objects of those
     names (its TE wrappers module imports without TE, its classes then placeholders). megatron-core caches
-    TE's ``__version__`` in ``megatron.core.utils._te_version`` when TE imports; the stand-in is 2.8.0."""
+    TE's ``__version__`` in ``megatron.core.utils._te_version`` when TE imports; the stand-in is 2.8.0.
+    TE's grouped linear: the stand-in above (the experts are then TEGroupedMLP on every version)."""
     from megatron.core import utils as mcore_utils
     from megatron.core.extensions import transformer_engine as te_wrappers
     from megatron.core.extensions.transformer_engine_spec_provider import TESpecProvider
@@ -118,6 +145,7 @@ def test_gpt_te_layer_spec_walked_as_data(audit, monkeypatch):
     from packaging.version import Version
 
     monkeypatch.setattr(mcore_utils, "_te_version", Version("2.8.0"))
+    stand_in_te_grouped_linear(monkeypatch)
 
     monkeypatch.setattr(gpt_layer_specs, "TESpecProvider", TESpecProvider, raising=False)
     monkeypatch.setattr(gpt_layer_specs, "TENorm", te_wrappers.TENorm, raising=False)
@@ -126,8 +154,9 @@ def test_gpt_te_layer_spec_walked_as_data(audit, monkeypatch):
     findings = audit.audit_spec(spec)
     attention = at(findings, "self_attention.core_attention")
     assert (attention.runs, attention.source) == (f"{audit.TE_WRAPPERS}:TEDotProductAttention", "te_attention_atomics")
-    assert at(findings, "mlp.experts").runs == GROUPED_MLP
-    assert audit.recipe_keys(spec)["model.spec"] == "te"
+    experts = at(findings, "mlp.experts")
+    assert (experts.runs, experts.source) == (TE_GROUPED_MLP, "grouped_gemm_dprob_atomics")
+    assert audit.recipe_keys(spec) == {"model.spec": "te", "model.moe.expert_impl": "te_grouped"}
     recipe = tiny("model.spec=local")  # the flags' view: no TE attention
     runs = audit.by_rule(findings)
     fired = {nvte: [v.message for v in evaluate_rules(recipe, Facts(
@@ -138,16 +167,21 @@ def test_gpt_te_layer_spec_walked_as_data(audit, monkeypatch):
                           "NVTE_ALLOW_NONDETERMINISTIC_ALGO='1'"]
 
 
-def test_te_mamba_stack_spec_target_is_megatrons_spec_with_deterministic_experts(audit):
-    from megatron.core.models.mamba.mamba_layer_specs import mamba_stack_spec
-
+def test_te_mamba_stack_spec_target_is_megatrons_spec_with_deterministic_experts(audit, te_mamba_specs, monkeypatch):
+    """``--spec megatron_bitdet.megatron_lm.specs te_mamba_stack_spec`` where TE imports (the stand-in
+    spec module in megatron's place): megatron's spec with only its experts swapped."""
     from megatron_bitdet.megatron_lm import specs
 
-    ours, theirs = dict(audit.walk_spec(specs.te_mamba_stack_spec)), dict(audit.walk_spec(mamba_stack_spec))
-    differ = sorted(p for p in ours.keys() | theirs.keys() if ours.get(p) is not theirs.get(p))
+    monkeypatch.setitem(sys.modules, MAMBA_SPECS, te_mamba_specs)
+    monkeypatch.setattr(specs, "te_mamba_stack_spec", None, raising=False)
+    monkeypatch.delattr(specs, "te_mamba_stack_spec")  # built afresh from the stand-in; restored after
+    theirs = te_mamba_specs.mamba_stack_spec
+    ours = specs.te_mamba_stack_spec
+    walked = dict(audit.walk_spec(ours)), dict(audit.walk_spec(theirs))
+    differ = sorted(p for p in walked[0].keys() | walked[1].keys() if walked[0].get(p) is not walked[1].get(p))
     assert differ == [EXPERTS, f"{EXPERTS}.linear_fc1", f"{EXPERTS}.linear_fc2"]  # nothing else changed
-    assert audit.recipe_keys(specs.te_mamba_stack_spec) == {"model.spec": "te", "model.moe.expert_impl": "grouped"}
-    assert at(audit.audit_spec(mamba_stack_spec), EXPERTS).runs == GROUPED_MLP
+    assert audit.recipe_keys(ours) == {"model.spec": "te", "model.moe.expert_impl": "grouped"}
+    assert at(audit.audit_spec(theirs), EXPERTS).runs == TE_GROUPED_MLP
 
 
 def as_builders(node):
@@ -287,21 +321,23 @@ def test_triton_grouped_backend_is_a_recipe_key_refused_where_it_cannot_run(monk
         stack_spec(recipe)
     with pytest.raises(RecipeError, match=r"model.moe.grouped_backend"):
         tiny("model.moe.expert_impl=sequential", "model.moe.grouped_backend=triton")
-    spec = stack_spec(tiny("model.spec=local"))
-    assert "kernel_config" not in spec.submodules.moe_layer.submodules.mlp.submodules.experts.params
+    def experts(spec):  # a ModuleSpec before megatron-core 0.17, a partial builder from 0.17
+        return builders.submodules_of(spec.submodules.moe_layer.submodules.mlp).experts
+
+    assert "kernel_config" not in builders.params_of(experts(stack_spec(tiny("model.spec=local"))))
     monkeypatch.setattr(grouped_mlp, "backend_unavailable", lambda backend: None)
-    experts = stack_spec(recipe).submodules.moe_layer.submodules.mlp.submodules.experts
-    assert experts.module is grouped_mlp.GroupedProbMLP
-    assert experts.params["kernel_config"] == grouped_mlp.GroupedMLPConfig(backend="triton")
+    built = experts(stack_spec(recipe))
+    assert builders.module_of(built) is grouped_mlp.GroupedProbMLP
+    assert builders.params_of(built)["kernel_config"] == grouped_mlp.GroupedMLPConfig(backend="triton")
 
 
 def test_catalog_implementations_name_real_megatron_symbols(audit):
     """A catalog symbol in megatron-core must exist, so a renamed class cannot silently stop matching
-    (a TE wrapper exists as None where TE does not import: megatron binds the name either way)."""
-    for symbol, _, _ in audit._known():
-        module, attr = symbol.split(":")
-        if module.startswith("megatron."):
-            assert hasattr(importlib.import_module(module), attr), symbol
+    (a TE wrapper exists as None where TE does not import: megatron binds the name either way). The one
+    exception is the legacy GroupedMLP, gone from megatron-core 0.17 (the catalog keeps it for 0.16.1)."""
+    missing = [symbol for symbol, _, _ in audit._known() if symbol.startswith("megatron.") and
+               not hasattr(importlib.import_module(symbol.split(":")[0]), symbol.split(":")[1])]
+    assert missing == ([GROUPED_MLP] if builders.partial_builders() else [])
 
 
 def test_flag_chosen_kernels_are_named_as_bound(audit):

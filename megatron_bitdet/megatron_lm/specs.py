@@ -5,8 +5,10 @@
 
 ``--spec megatron_bitdet.megatron_lm.specs te_mamba_stack_spec``: megatron-core's own TE hybrid spec
 (``megatron.core.models.mamba.mamba_layer_specs.mamba_stack_spec``: TE fused norm+linear, TE attention)
-with its MoE experts — ``TEGroupedMLP`` with TE, the legacy ``GroupedMLP`` without, whatever the flags say —
-replaced by bitdet's GroupedProbMLP on the TE linears the spec's shared experts use. The Mamba kernels are
+with its MoE experts — ``TEGroupedMLP`` with TE, whatever the flags say, and before megatron-core 0.17 the
+legacy ``GroupedMLP`` without (from 0.17 it builds ``SequentialMLP`` there, left as it is) — replaced by
+bitdet's GroupedProbMLP on the linears the spec's shared experts use, in the node's own shape (a
+``functools.partial`` builder from 0.17: ``compat.builders``). The Mamba kernels are
 the enforcement's swaps, as for any spec; megatron-core's own object is left as it is.
 
 ``local_mamba_stack_spec_chunk{C}_conv{K}`` (and the ``te_`` one): the same stack with the Mamba mixer's
@@ -17,6 +19,7 @@ import copy
 import dataclasses
 import re
 
+from megatron_bitdet.compat import builders
 from megatron_bitdet.enforce import audit
 from megatron_bitdet.model.specs import local_stack_spec
 
@@ -50,15 +53,13 @@ def __getattr__(name):
 
 
 def replace_in_spec(spec, position: str, new, *, copy: bool):
-    """Put ``new`` at ``position`` of ``spec``: in place (the object Megatron will build from), or in a
-    copy that shares every untouched node with the original (``copy=True``); returns the spec."""
+    """Put ``new`` at ``position`` of ``spec`` (``ModuleSpec`` and ``partial`` builders stepped through):
+    in place (the object Megatron will build from), or in a copy that shares every untouched node with the
+    original (``copy=True``); returns the spec."""
     head, _, rest = position.partition(".")
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
-    if isinstance(spec, ModuleSpec):
-        spec = dataclasses.replace(spec) if copy else spec
-        spec.submodules = replace_in_spec(spec.submodules, position, new, copy=copy)
-        return spec
+    if builders.is_builder(spec):
+        inner = replace_in_spec(builders.submodules_of(spec), position, new, copy=copy)
+        return builders.rebuilt(spec, submodules=inner) if copy else spec
     child = new if not rest else replace_in_spec(getattr(spec, head), rest, new, copy=copy)
     if copy:
         return dataclasses.replace(spec, **{head: child})
@@ -67,19 +68,19 @@ def replace_in_spec(spec, position: str, new, *, copy: bool):
 
 
 def deterministic_experts(moe_submodules):
-    """bitdet's GroupedProbMLP for the experts of an MoE layer spec: a SequentialMLP's own submodules
-    (GroupedProbMLP is a SequentialMLP), else the linears the layer's shared experts use (the spec's backend)."""
+    """bitdet's GroupedProbMLP for the experts of an MoE layer spec, in the experts builder's own shape: a
+    SequentialMLP's own submodules and params (GroupedProbMLP is a SequentialMLP), else the submodules
+    the layer's shared experts use (the spec's backend)."""
     from megatron.core.transformer.mlp import MLPSubmodules
-    from megatron.core.transformer.spec_utils import ModuleSpec
 
     from megatron_bitdet.kernels.grouped_mlp import GroupedProbMLP
 
     experts = moe_submodules.experts
-    if isinstance(experts.submodules, MLPSubmodules) and audit.name_of(experts.module) == audit.SEQUENTIAL_MLP:
-        return ModuleSpec(module=GroupedProbMLP, params=dict(experts.params), submodules=experts.submodules)
-    shared = moe_submodules.shared_experts.submodules
-    return ModuleSpec(module=GroupedProbMLP, submodules=MLPSubmodules(
-        linear_fc1=shared.linear_fc1, linear_fc2=shared.linear_fc2))
+    own = builders.submodules_of(experts)
+    if isinstance(own, MLPSubmodules) and audit.name_of(builders.module_of(experts)) == audit.SEQUENTIAL_MLP:
+        return builders.rebuilt(experts, module=GroupedProbMLP)
+    shared = builders.submodules_of(moe_submodules.shared_experts)
+    return builders.rebuilt(experts, module=GroupedProbMLP, submodules=dataclasses.replace(shared))
 
 
 def swap_grouped_experts(spec, *, copy: bool, sequential: bool = False):
@@ -91,16 +92,13 @@ def swap_grouped_experts(spec, *, copy: bool, sequential: bool = False):
         if finding.source or (sequential and finding.runs == audit.SEQUENTIAL_MLP):
             replacement = deterministic_experts(_at(spec, finding.position.rsplit(".", 1)[0]))
             spec = replace_in_spec(spec, finding.position, replacement, copy=copy)
-            done.append((finding.position, finding.runs, audit.name_of(replacement.module)))
+            done.append((finding.position, finding.runs, audit.name_of(builders.module_of(replacement))))
     return spec, done
 
 
 def _at(spec, position: str):
-    """The submodules object at ``position`` (a ModuleSpec's submodules, stepping through specs)."""
-    from megatron.core.transformer.spec_utils import ModuleSpec
-
+    """The submodules object at ``position`` (stepping through ``ModuleSpec`` and ``partial`` builders)."""
     node = spec
     for part in position.split("."):
-        node = node.submodules if isinstance(node, ModuleSpec) else node
-        node = getattr(node, part)
-    return node.submodules if isinstance(node, ModuleSpec) else node
+        node = getattr(builders.submodules_of(node) if builders.is_builder(node) else node, part)
+    return builders.submodules_of(node) if builders.is_builder(node) else node

@@ -148,6 +148,7 @@ def padded_vocab_size(recipe) -> int:
 def stack_spec(recipe, *, grouped_gemm: bool = False):
     """The layer spec for the recipe's family, with the recipe's Mamba kernel parameters.
     ``grouped_gemm``: TE grouped-GEMM experts (the config's moe_grouped_gemm: te_grouped, not swapped)."""
+    from megatron_bitdet.compat import builders
     from megatron_bitdet.model import specs
 
     family = resolve_spec_family(recipe)
@@ -165,8 +166,8 @@ def stack_spec(recipe, *, grouped_gemm: bool = False):
         if reason:
             raise BitdetInputError(f"{recipe.where('model', 'moe', 'grouped_backend')}: model.moe.grouped_backend: "
                                    f"{backend} cannot run here: {reason}; use torch")
-        spec.submodules.moe_layer.submodules.mlp.submodules.experts.params["kernel_config"] = GroupedMLPConfig(
-            backend=backend)
+        moe = builders.submodules_of(spec.submodules.moe_layer.submodules.mlp)
+        moe.experts = builders.rebuilt(moe.experts, kernel_config=GroupedMLPConfig(backend=backend))
     return spec
 
 
