@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 
 from megatron_bitdet.cli import main as bitdet
+from test_megatron_lm import HYBRID
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 REPO = Path(__file__).resolve().parents[1]
@@ -727,16 +728,17 @@ def test_verify_resume_takes_a_pasted_samples_based_line_with_its_output_flags(t
 
 
 @megatron_lm
-def test_pretrain_mamba_without_spec_names_the_spec_to_pass(capsys):
+@pytest.mark.parametrize("entry", sorted({HYBRID, "pretrain_mamba.py"}))  # core_v0.19.0: the deprecated wrapper too
+def test_pretrain_mamba_without_spec_names_the_spec_to_pass(entry, capsys):
     """Megatron-LM builds no default Mamba stack: the row names bitdet's local spec where TE is absent
     (decided: never picked silently, the spec decides the model the manifest records)."""
     from test_megatron_lm import MAMBA
 
-    rc = bitdet(["megatron-lm", "--check", "--nproc", "2", script("pretrain_mamba.py"), *replace(MAMBA, "--spec", 2, [])])
+    rc = bitdet(["megatron-lm", "--check", "--nproc", "2", script(entry), *replace(MAMBA, "--spec", 2, [])])
     out = capsys.readouterr().out
     assert rc == 3, out
     [row] = machine_section(out)
-    assert row.startswith("pretrain_mamba.py without --spec: needs a layer spec")
+    assert row.startswith(f"{entry} without --spec: needs a layer spec")
     assert row.endswith("fix: add --spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec (Transformer "
                         "Engine is absent here)")
     # the row is Megatron-LM's own failure at model build: its Mamba builder, as a rank calls it, without --spec
@@ -748,7 +750,8 @@ def test_pretrain_mamba_without_spec_names_the_spec_to_pass(capsys):
         sys.path.append(MEGATRON_LM)  # as the entry point puts the script's folder (its --check did, above)
     from mamba_builders import mamba_builder
 
-    with pytest.raises(ValueError, match="You must provide a valid Mamba layer spec via --spec"):
+    # core_v0.19.0's mamba_builders re-exports hybrid_builder as mamba_builder, which says "hybrid layer spec"
+    with pytest.raises(ValueError, match="You must provide a valid (Mamba|hybrid) layer spec via --spec"):
         mamba_builder(argparse.Namespace(use_legacy_models=False, spec=None), True, True,
                       config=SimpleNamespace(transformer_impl="local"))
 

@@ -19,6 +19,7 @@ import importlib.util
 from dataclasses import dataclass
 
 from megatron_bitdet.compat.extensions import imports, te_here
+from megatron_bitdet.megatron_lm.validate import HYBRID_SCRIPTS
 
 LOCAL_MAMBA_SPEC = "--spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec"
 TE_MAMBA_SPEC = "--spec megatron_bitdet.megatron_lm.specs te_mamba_stack_spec"
@@ -67,11 +68,11 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
     object (None without), the script's file name and the layer pattern (``M*-E`` symbols)."""
     te, cuda, out = te_here(), _cuda(), []
     get = lambda name, default=None: getattr(a, name, default)  # noqa: E731
-    mamba = script == "pretrain_mamba.py"
+    mamba = script in HYBRID_SCRIPTS
     family = _spec_family(spec)
     if mamba and spec is None and get("transformer_impl") != "inference_optimized":
-        out.append(Missing("pretrain_mamba.py without --spec", "a layer spec (Megatron-LM builds no default Mamba "
-                           "stack: 'You must provide a valid Mamba layer spec via --spec')",
+        out.append(Missing(f"{script} without --spec", "a layer spec (Megatron-LM builds no default Mamba stack: "
+                           "its builder raises 'You must provide a valid ... layer spec via --spec')",
                            f"add {TE_MAMBA_SPEC}" if te else
                            f"add {LOCAL_MAMBA_SPEC} (Transformer Engine is absent here)"))
     if not te:
