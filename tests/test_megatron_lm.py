@@ -1,5 +1,6 @@
-"""Megatron-LM's own pretrain_mamba.py / pretrain_gpt.py, unmodified, under the bitdet entry point on 2
-real gloo ranks: byte-identical twins, another seed diverging at step 1, the launch-line lint, resume, and
+"""Megatron-LM's own hybrid entry point (``HYBRID``: pretrain_mamba.py of core_v0.16.1, pretrain_hybrid.py of
+core_v0.19.0) and pretrain_gpt.py, unmodified, under the bitdet entry point on 2 real gloo ranks: byte-identical
+twins, another seed diverging at step 1, the launch-line lint, resume, and
 tracing + localize (the ladder included) naming a planted op reached from the launch line (``--spec``).
 
 Needs a Megatron-LM checkout (``MEGATRON_LM_PATH``; ``.ci/run`` points it at ../shared/megatron-lm and
@@ -47,6 +48,13 @@ GPT = ["--num-layers", "2", "--swiglu", "--no-bias-swiglu-fusion", "--position-e
 OPTED = {"cross_entropy_loss_fusion", "moe_permute_fusion", "moe_router_fusion", "tp_comm_overlap", "te_grouped_gemm"}
 
 
+# The checkout's hybrid Mamba/attention/MoE entry point: pretrain_hybrid.py from Megatron-LM 0.18 (megatron-core
+# 0.18 renamed MambaModel HybridModel; core_v0.19.0's pretrain_mamba.py is a deprecated wrapper running it, which
+# the --check below and the other Megatron-LM test files launch), pretrain_mamba.py before (core_v0.16.1).
+HYBRID = "pretrain_hybrid.py" if MEGATRON_LM and os.path.isfile(os.path.join(MEGATRON_LM, "pretrain_hybrid.py")) \
+    else "pretrain_mamba.py"
+
+
 def script(name: str) -> str:
     return os.path.join(MEGATRON_LM, name)
 
@@ -62,12 +70,12 @@ def lines(run_dir: Path, rank: int) -> list[dict]:
 
 @pytest.fixture(scope="session")
 def mamba_runs(tmp_path_factory):
-    """pretrain_mamba.py (M*-E, EP2 alltoall, distributed optimizer, dropout 0.1): twins and seed 4321."""
+    """The hybrid entry point (M*-E, EP2 alltoall, distributed optimizer, dropout 0.1): twins and seed 4321."""
     root = tmp_path_factory.mktemp("megatron_lm_mamba")
     runs = {k: root / k for k in ("a", "b", "seed")}
     # run a also snapshots its live state as step 3 begins: the verify-resume reference (and a
     # snapshot must not perturb a single bit: a and b are compared byte for byte)
-    rcs = {k: launch(d, "pretrain_mamba.py", MAMBA, *{"a": ["--snapshot-at", "2"], "b": [], "seed": ["--seed", "4321"]}[k])
+    rcs = {k: launch(d, HYBRID, MAMBA, *{"a": ["--snapshot-at", "2"], "b": [], "seed": ["--seed", "4321"]}[k])
            for k, d in runs.items()}
     return runs, rcs
 
@@ -143,7 +151,7 @@ def test_gpt_twins_byte_identical(gpt_runs, capsys):
 
 
 def test_check_lists_every_violation_at_once(capsys):
-    rc = bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, *FUSIONS])
+    rc = bitdet(["megatron-lm", "--check", script(HYBRID), *MAMBA, *FUSIONS])
     out = capsys.readouterr().out
     assert rc == 2
     for rule in OPTED:
@@ -172,7 +180,7 @@ def test_check_refuses_an_opt_out_megatron_itself_asserts_then_passes_and_record
     """Megatron-LM's validate_args asserts --cross-entropy-loss-fusion off in deterministic mode: the
     launch line dies there whatever the recipe accepts, so --check cannot pass it."""
     recipe = opt_out_recipe(tmp_path / "opt_out.yaml", OPTED)
-    rc = bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, *FUSIONS, "--recipe", str(recipe)])
+    rc = bitdet(["megatron-lm", "--check", script(HYBRID), *MAMBA, *FUSIONS, "--recipe", str(recipe)])
     out = capsys.readouterr().out
     assert rc == 2, out
     assert "1 feature(s) have no deterministic path" in out
@@ -180,7 +188,7 @@ def test_check_refuses_an_opt_out_megatron_itself_asserts_then_passes_and_record
     assert "Megatron-LM's validate_args asserts it off in deterministic mode" in out
     others = OPTED - {"cross_entropy_loss_fusion"}
     fusions = [f for f in FUSIONS if f != "--cross-entropy-loss-fusion"]
-    rc = bitdet(["megatron-lm", "--check", "--run-dir", str(tmp_path / "run"), script("pretrain_mamba.py"),
+    rc = bitdet(["megatron-lm", "--check", "--run-dir", str(tmp_path / "run"), script(HYBRID),
                  *MAMBA, *fusions, "--recipe", str(opt_out_recipe(tmp_path / "others.yaml", others))])
     out = capsys.readouterr().out
     # the rules pass; the opted-out TE fusions cannot run on this machine (their own section, exit 3)
@@ -212,7 +220,7 @@ def test_check_names_the_grouped_experts_class_of_megatrons_te_mamba_spec(stand_
     expected = "TEGroupedMLP" if stand_in else "GroupedMLP"
     if stand_in:
         monkeypatch.setitem(sys.modules, TE_SPEC[1], request.getfixturevalue("te_mamba_specs"))
-    rc = bitdet(["megatron-lm", "--check", "--run-dir", str(tmp_path / "run"), script("pretrain_mamba.py"),
+    rc = bitdet(["megatron-lm", "--check", "--run-dir", str(tmp_path / "run"), script(HYBRID),
                  *te_spec_line()])
     out = capsys.readouterr().out
     assert rc == 3, out  # the rules pass; the TE spec cannot run on this machine (exit 3, its own section)
@@ -225,14 +233,15 @@ def test_check_names_the_grouped_experts_class_of_megatrons_te_mamba_spec(stand_
     assert manifest["recipe"]["model"]["moe"]["expert_impl"] == "te_grouped"
     assert manifest["recipe"]["model"]["spec"] == "te" and manifest["megatron_lm"]["spec_family"] == "te"
     recipe = line_recipe(tmp_path / "no_swaps.yaml", "{swaps: false}")
-    rc = bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *te_spec_line(), "--recipe", str(recipe)])
+    rc = bitdet(["megatron-lm", "--check", script(HYBRID), *te_spec_line(), "--recipe", str(recipe)])
     out = capsys.readouterr().out
     assert rc == 2
     assert f"[te_grouped_gemm] moe_layer.mlp.experts is megatron.core.transformer.moe.experts:{expected}" in out
 
 
-def test_check_clean_line_exits_0(capsys):
-    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA]) == 0
+@pytest.mark.parametrize("entry", sorted({HYBRID, "pretrain_mamba.py"}))  # core_v0.19.0: the deprecated wrapper too
+def test_check_clean_line_exits_0(entry, capsys):
+    assert bitdet(["megatron-lm", "--check", script(entry), *MAMBA]) == 0
     assert "OK " in capsys.readouterr().out
 
 
@@ -246,18 +255,18 @@ def test_a_resume_skipping_restored_state_is_refused_before_any_rank_unless_acce
     before any rank starts; --accept-skipped-restore passes it, recorded in the manifest as an opt-out; without
     --load the flag skips nothing."""
     line = [*MAMBA, *resumes(tmp_path / "ckpt"), "--no-load-optim"]
-    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *line]) == 2
+    assert bitdet(["megatron-lm", "--check", script(HYBRID), *line]) == 2
     out = capsys.readouterr().out
     assert "[resume_skips_restore] the line resumes (--load) with --no-load-optim: the optimizer" in out
     assert "fix: drop --no-load-optim (or accept it on purpose with --accept-skipped-restore)" in out
-    assert launch(tmp_path / "run", "pretrain_mamba.py", line) == 2
+    assert launch(tmp_path / "run", HYBRID, line) == 2
     assert "[resume_skips_restore]" in capsys.readouterr().err and not (tmp_path / "run" / "logs").exists()
     run = tmp_path / "accepted"
-    assert bitdet(["megatron-lm", "--check", "--run-dir", str(run), script("pretrain_mamba.py"), *line,
+    assert bitdet(["megatron-lm", "--check", "--run-dir", str(run), script(HYBRID), *line,
                    "--accept-skipped-restore"]) == 0
     [opt_out] = json.loads((run / "manifest.json").read_text())["rules"]["opt_outs"]
     assert opt_out["id"] == "resume_skips_restore" and opt_out["where"] == "the launch line (--accept-skipped-restore)"
-    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, "--no-load-optim"]) == 0
+    assert bitdet(["megatron-lm", "--check", script(HYBRID), *MAMBA, "--no-load-optim"]) == 0
 
 
 def test_a_typo_exits_2_before_any_rank_naming_the_flag_meant(tmp_path, capsys):
@@ -267,12 +276,12 @@ def test_a_typo_exits_2_before_any_rank_naming_the_flag_meant(tmp_path, capsys):
     import time
 
     start = time.process_time()
-    assert launch(tmp_path / "run", "pretrain_mamba.py", [*MAMBA, "--hiden-size", "64"]) == 2
+    assert launch(tmp_path / "run", HYBRID, [*MAMBA, "--hiden-size", "64"]) == 2
     assert time.process_time() - start < 10
     assert capsys.readouterr().err.strip().splitlines()[-1] == \
         "bitdet megatron-lm: error: the launch line: unknown flag --hiden-size (did you mean --hidden-size?)"
     assert not (tmp_path / "run").exists()
-    assert launch(tmp_path / "run", "pretrain_mamba.py", [*MAMBA, "--hidden-size", "x"]) == 2
+    assert launch(tmp_path / "run", HYBRID, [*MAMBA, "--hidden-size", "x"]) == 2
     assert "the launch line: argument --hidden-size: invalid int value: 'x'" in capsys.readouterr().err
 
 
@@ -281,7 +290,7 @@ def test_every_refusal_of_a_line_comes_in_one_report_megatrons_bare_assert_with_
     a deterministic path and a resume skipping its optimizer: one report, each named."""
     line = [*MAMBA, "--save", str(tmp_path / "ckpt"), "--load", str(tmp_path / "ckpt"), "--no-load-optim",
             "--cross-entropy-loss-fusion"]
-    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *line]) == 2
+    assert bitdet(["megatron-lm", "--check", script(HYBRID), *line]) == 2
     err = capsys.readouterr().err
     assert re.search(r"validate_args refuses this launch line: megatron/training/arguments\.py:\d+: "
                      r"assert args\.save_interval is not None\n", err), err
@@ -293,7 +302,7 @@ def test_dp_invariant_reductions_are_refused_under_megatron_lms_loop(tmp_path, c
     """Fail closed: the Megatron-LM loop does not install DP-invariant reductions (a DP 2 run compared with a
     DP 1 run diverged while --check passed it); the recipe asking for them is a violation naming the key."""
     recipe = line_recipe(tmp_path / "dp.yaml", "{reductions: dp_invariant, virtual_dp: 1}")
-    assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, "--recipe", str(recipe)]) == 2
+    assert bitdet(["megatron-lm", "--check", script(HYBRID), *MAMBA, "--recipe", str(recipe)]) == 2
     out = capsys.readouterr().out
     assert f"[reductions_not_installed] determinism.reductions is dp_invariant ({recipe}:4)" in out
     assert "fix: set determinism.reductions: topology_invariant or native" in out
@@ -304,7 +313,7 @@ def test_recipe_disagreeing_with_a_flag_is_refused_naming_both(tmp_path, capsys)
     recipe.write_text("name: r\nmodel: {hybrid_pattern: 'M*-E', hidden_size: 128, ffn_hidden_size: 128,\n"
                       "  num_attention_heads: 4, seq_length: 64, vocab_size: 256, moe: {num_experts: 4,\n"
                       "  ffn_hidden_size: 64}}\n")
-    rc = bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, "--recipe", str(recipe)])
+    rc = bitdet(["megatron-lm", "--check", script(HYBRID), *MAMBA, "--recipe", str(recipe)])
     err = capsys.readouterr().err
     assert rc == 2
     assert f"{recipe}:2: model.hidden_size" in err and "--hidden-size gives 64" in err
@@ -321,7 +330,7 @@ def last_json(captured) -> dict:
 def verify_resume(mamba_runs, out: Path, *extra: str, line=MAMBA) -> int:
     runs, rcs = mamba_runs
     assert rcs["a"] == 0
-    return bitdet(["verify-resume", "--megatron-lm", script("pretrain_mamba.py"), "--resume-at", "2", "--nproc", "2",
+    return bitdet(["verify-resume", "--megatron-lm", script(HYBRID), "--resume-at", "2", "--nproc", "2",
                    "--out", str(out), "--reference", str(runs["a"]), "--json", *extra,
                    "--", *line])
 
@@ -360,7 +369,7 @@ def test_a_wall_clock_stop_saves_and_the_same_line_resumes_bitwise(mamba_runs, t
     line = [*MAMBA, *resumes(tmp_path / "ckpt"), "--exit-duration-in-mins", "-1", "--exit-signal-handler"]
     launches = [tmp_path / f"launch{k}" for k in (1, 2)]
     for run in launches:
-        assert launch(run, "pretrain_mamba.py", line) == 0
+        assert launch(run, HYBRID, line) == 0
     assert (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").read_text().strip() == "2"
     for rank in (0, 1):
         whole = (runs["b"] / "fingerprints" / f"rank_{rank:05d}.jsonl").read_text().splitlines()
@@ -380,10 +389,10 @@ def test_a_one_minute_wall_clock_stop_lands_where_the_clock_says_and_resumes_bit
             *MAMBA[MAMBA.index("--train-iters") + 2:]]
     ckpt, first, second, whole = (tmp_path / d for d in ("ckpt", "first", "second", "whole"))
     job = ["--save", str(ckpt), "--save-interval", "100000", "--load", str(ckpt)]  # saved only where it stops
-    assert launch(first, "pretrain_mamba.py", line, *job, "--exit-duration-in-mins", "1") == 0
+    assert launch(first, HYBRID, line, *job, "--exit-duration-in-mins", "1") == 0
     stop = int((ckpt / "latest_checkpointed_iteration.txt").read_text())
-    assert launch(second, "pretrain_mamba.py", line, *job, "--exit-interval", str(stop + 2)) == 0
-    assert launch(whole, "pretrain_mamba.py", line, "--exit-interval", str(stop + 2)) == 0
+    assert launch(second, HYBRID, line, *job, "--exit-interval", str(stop + 2)) == 0
+    assert launch(whole, HYBRID, line, "--exit-interval", str(stop + 2)) == 0
     for rank in (0, 1):
         read = lambda run: (run / "fingerprints" / f"rank_{rank:05d}.jsonl").read_text().splitlines()  # noqa: E731
         assert len(read(first)) == stop and read(first) + read(second) == read(whole)
@@ -416,13 +425,13 @@ def test_verify_resume_refuses_a_reference_of_another_launch_line_before_any_seg
     runs, rcs = mamba_runs
     assert rcs["seed"] == 0
     capsys.readouterr()
-    rc = bitdet(["verify-resume", "--megatron-lm", script("pretrain_mamba.py"), "--resume-at", "2", "--nproc", "2",
+    rc = bitdet(["verify-resume", "--megatron-lm", script(HYBRID), "--resume-at", "2", "--nproc", "2",
                  "--out", str(tmp_path / "out"), "--reference", str(runs["seed"]), "--", *MAMBA])
     err = capsys.readouterr().err
     assert rc == 2 and "the reference was launched with another line" in err and "--seed 4321" in err, err
     rc = bitdet(["verify-resume", "--megatron-lm", script("pretrain_gpt.py"), "--resume-at", "2", "--nproc", "2",
                  "--out", str(tmp_path / "out"), "--reference", str(runs["a"]), "--", *MAMBA])
-    assert rc == 2 and "pretrain_mamba.py, not " in capsys.readouterr().err
+    assert rc == 2 and f"{HYBRID}, not " in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
 
 
@@ -443,7 +452,7 @@ def planted_pair(root: Path, *extra: str) -> dict:
     os.chdir(REPO)
     try:
         with ThreadPoolExecutor(2) as pool:
-            futures = {k: pool.submit(launch, root / k, "pretrain_mamba.py", MAMBA, *PLANT, *extra) for k in ("a", "b")}
+            futures = {k: pool.submit(launch, root / k, HYBRID, MAMBA, *PLANT, *extra) for k in ("a", "b")}
             return {k: f.result() for k, f in futures.items()}
     finally:
         os.chdir(cwd)
@@ -488,7 +497,7 @@ def test_localize_ladder_names_the_planted_op_in_megatron_lm_runs(planted_runs, 
     assert (c["op"], c["module"], c["step"], c["phase"], c["classification"]) == (
         ATOMIC, FC2, 1, "forward", "producer")
     rerun = json.loads((root / "a" / "ladder" / "op" / "manifest.json").read_text())
-    assert rerun["megatron_lm"]["script"] == script("pretrain_mamba.py")
+    assert rerun["megatron_lm"]["script"] == script(HYBRID)
     assert rerun["trace"]["level"] == "op" and rerun["trace"]["steps"] == [1, 1]
     tail = rerun["argv"][rerun["argv"].index("--exit-interval"):]
     assert tail[:2] == ["--exit-interval", "1"] and "--trace" in tail  # stopped after the divergent step
@@ -537,9 +546,9 @@ def test_localize_clean_megatron_lm_twins_exit_0(mamba_runs, capsys):
 
 
 def test_bad_trace_flags_are_refused_before_any_rank_starts(tmp_path, capsys):
-    rc = launch(tmp_path / "t", "pretrain_mamba.py", MAMBA, "--trace", "op", "--trace-steps", "3-1")
+    rc = launch(tmp_path / "t", HYBRID, MAMBA, "--trace", "op", "--trace-steps", "3-1")
     assert rc == 2 and "--trace-steps 3-1: need 1 <= A <= B" in capsys.readouterr().err
-    rc = launch(tmp_path / "t", "pretrain_mamba.py", MAMBA, "--trace", "module", "--trace-capture", "0:1/forward/x/y#0")
+    rc = launch(tmp_path / "t", HYBRID, MAMBA, "--trace", "module", "--trace-capture", "0:1/forward/x/y#0")
     assert rc == 2 and "needs --trace op" in capsys.readouterr().err
     assert not (tmp_path / "t" / "logs").exists()
 
@@ -621,7 +630,7 @@ def test_prove_on_a_megatron_lm_launch_line_reports_a_skipped_restore_as_broken(
 
 def test_prove_refuses_a_launch_line_it_cannot_prove_before_any_rank_starts(tmp_path, capsys):
     line = [a for a in MAMBA if a != "--deterministic-mode"]
-    base = ["prove", "--megatron-lm", script("pretrain_mamba.py"), "--out", str(tmp_path)]
+    base = ["prove", "--megatron-lm", script(HYBRID), "--out", str(tmp_path)]
     assert bitdet([*base, "--", *line]) == 2
     assert "no --deterministic-mode" in capsys.readouterr().err
     assert bitdet([*base, "--recipe", "nemotron_h_tiny", "--", *MAMBA, "--recipe", "r.yaml"]) == 2
@@ -686,7 +695,7 @@ def test_ladder_refuses_a_megatron_lm_manifest_it_cannot_relaunch_from(planted_r
 def test_tracing_a_megatron_lm_run_changes_no_bit(mamba_runs, tmp_path, capsys):
     """The README's line traced at op level over two steps writes the untraced twin's fingerprints byte for byte."""
     runs, _ = mamba_runs
-    assert launch(tmp_path / "t", "pretrain_mamba.py", MAMBA, "--trace", "op", "--trace-steps", "1-2") == 0
+    assert launch(tmp_path / "t", HYBRID, MAMBA, "--trace", "op", "--trace-steps", "1-2") == 0
     assert {r["step"] for r in map(json.loads, trace_lines(tmp_path / "t", 0))} == {1, 2}
     for rank in (0, 1):
         traced = (tmp_path / "t" / "fingerprints" / f"rank_{rank:05d}.jsonl").read_bytes()
