@@ -34,9 +34,14 @@ the sequential experts; bf16 recipes take the fast kernel. The grouped_mm rows t
 per-expert loop they replace.
 
 ``--plant-failure CHECK`` makes that check's row raise (CI's proof that one failing row leaves the
-table whole). Only the repository and the machine are needed. On a machine without megatron-core,
-carry its wheel (``pip download --no-deps --only-binary=:all: --python-version 3.12 megatron-core==0.16.1``)
-and put it on PYTHONPATH before running; rows that need it say so otherwise.
+table whole). Only the repository and the machine are needed: on a bare GPU machine with Python 3.12 and
+torch (no package index), ``make gpu-kit`` here first (megatron-core 0.19.2, the plugin and its other
+dependencies as cp312 wheels in ``gpu-kit/``, <= 64 MiB, checked to resolve offline), carry the tree with
+``gpu-kit/``, and there, from the repository root, install them and run the table on 0.19.2 in one command:
+
+    python3 -m pip install -q --no-index --find-links gpu-kit megatron-core==0.19.2 megatron-bitdet && python3 benchmarks/gpu_check.py
+
+The table's first line names the megatron-core it ran on; rows that need an absent package say so.
 """
 from __future__ import annotations
 
@@ -451,6 +456,16 @@ def checks(env: Env, table: Table) -> list:
             ("default recipe (EP1) tracing", lambda: tracing_rows(env))]
 
 
+def _megatron_core() -> str:
+    from megatron_bitdet.compat.versions import megatron_core_version
+    from megatron_bitdet.errors import BitdetError
+
+    try:
+        return megatron_core_version()
+    except BitdetError:
+        return "not installed"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--dry-run", action="store_true", help="CPU, tiny shapes, 2 repeats, 2-round training launches")
@@ -472,7 +487,8 @@ def main() -> int:
               file=sys.stderr)
         return 2
     name = torch.cuda.get_device_name() if env.dev == "cuda" else "cpu (dry run)"
-    print(f"gpu_check on {name}, torch {torch.__version__}, {env.repeats} repeats per kernel", flush=True)
+    print(f"gpu_check on {name}, torch {torch.__version__}, megatron-core {_megatron_core()}, "
+          f"{env.repeats} repeats per kernel", flush=True)
     try:
         for check, rows_of in planned:
             table.check(check, rows_of)
