@@ -7,8 +7,12 @@ the fastest nondeterministic recipe, same model and batches, ONE interleaved lau
 Sides (built side by side on every rank by the tax worker, steps alternated A B C .., .. C B A):
 * bitdet      -- the recipe as bitdet runs it (kernel swaps, its torch flags; fill_uninitialized_memory
                  as the recipe says, off by default);
-* upstream    -- megatron ``deterministic_mode`` + ``torch.use_deterministic_algorithms(True)`` with
-                 torch's default ``fill_uninitialized_memory=True``, megatron's own experts, no swaps;
+* upstream    -- megatron ``deterministic_mode`` + upstream's deterministic mode as the installed
+                 megatron-core runs it (``compat.upstream_determinism``: 0.19's
+                 ``megatron/training/determinism.py`` ``apply_determinism_to_args`` before each of its
+                 steps; before 0.19 the ``torch.use_deterministic_algorithms(True)`` of Megatron-LM's
+                 validate_args), torch's default ``fill_uninitialized_memory=True``, megatron's own
+                 experts and aux loss, no swaps;
 * baseline    -- the fastest nondeterministic candidate (determinism off, each expert implementation);
 * with ``--decompose``, bitdet with one of its differences from upstream undone at a time (megatron's
   own experts; megatron's aux-loss reduction; torch's NaN-fill on): where bitdet vs upstream comes from,
@@ -50,7 +54,7 @@ def sides_for(recipe, decompose: bool = False) -> list[dict]:
     up = recipe.to_dict()
     if moe:
         up["model"]["moe"]["expert_impl"] = "sequential"  # megatron's own experts (TE's grouped GEMM on GPU)
-    upstream = {"name": "upstream", "recipe": up, "deterministic": True, "swaps": False,
+    upstream = {"name": "upstream", "recipe": up, "deterministic": True, "swaps": False, "upstream_mode": True,
                 "without_patches": ["moe_aux_loss"], "fill_uninitialized_memory": True}
     probes = []
     if decompose:
@@ -107,6 +111,9 @@ def report(shape: str, stats) -> None:
 
 
 def main() -> int:
+    import os
+
+    from megatron_bitdet.compat import upstream_determinism
     from megatron_bitdet.workflows.tax import TaxConfig, run_sides, with_measured_batches
     from megatron_bitdet.recipe import load_recipe
 
@@ -122,6 +129,8 @@ def main() -> int:
                    help="also run bitdet with each of its differences from upstream undone (where the gap comes from)")
     args = p.parse_args()
     cfg = TaxConfig(rounds=args.rounds, warmup=args.warmup, profile_steps=2)
+    print(f"upstream: {upstream_determinism.source()}; load average before: "
+          f"{' '.join(f'{x:.1f}' for x in os.getloadavg())}")
     for shape in args.shapes.split(","):
         recipe = with_measured_batches(load_recipe(args.recipe, SHAPES[shape] + args.set), cfg)
         out = tempfile.mkdtemp(prefix=f"bench_tax_upstream_{shape}_")

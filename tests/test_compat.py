@@ -74,6 +74,37 @@ def test_builders_swap_the_module_in_either_shape():
     assert (built.func, built.args, built.keywords) == (GroupedProbMLP, (), {"submodules": submodules, "name": "experts"})
 
 
+def test_upstream_deterministic_mode_is_the_installed_versions_own(monkeypatch):
+    """bench_tax_vs_upstream's upstream side: on megatron-core 0.19+ megatron's own
+    ``training/determinism.py`` runs (it fills the canonical environment and asserts TP comm overlap
+    off); before 0.19, the torch flag of Megatron-LM's validate_args block, nothing filled or asserted."""
+    import torch
+
+    from megatron_bitdet.compat import upstream_determinism
+
+    names = ("NCCL_ALGO", "NVTE_ALLOW_NONDETERMINISTIC_ALGO", "CUBLAS_WORKSPACE_CONFIG")
+    for name in names:  # set, then removed: monkeypatch restores what was there, fills included
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    overlap = load_recipe("nemotron_h_tiny", ["parallel.tp_comm_overlap=true"])
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(False)
+    try:
+        if supports(version("megatron-core"), upstream_determinism.DETERMINISM_MODULE):
+            assert "determinism.py" in upstream_determinism.source()
+            with pytest.raises(AssertionError, match=r"tp_comm_overlap=False \(got True\)"):
+                upstream_determinism.apply(overlap)
+            upstream_determinism.apply(load_recipe("nemotron_h_tiny"))
+            assert [os.environ.get(n) for n in names] == ["Ring", "0", ":4096:8"]
+        else:
+            assert "validate_args" in upstream_determinism.source()
+            upstream_determinism.apply(overlap)
+            assert [os.environ.get(n) for n in names] == [None] * 3
+        assert torch.are_deterministic_algorithms_enabled()
+    finally:
+        torch.use_deterministic_algorithms(was)
+
+
 def test_every_shipped_patch_reads_the_specifier():
     decls = load_declarations()
     assert decls and all(d.megatron_core == MEGATRON_CORE for d in decls)

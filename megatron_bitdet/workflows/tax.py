@@ -114,8 +114,9 @@ def candidates(recipe) -> list[dict]:
 
     A side is {"name", "recipe" (dict), "deterministic" (torch's flag)} plus, optionally, "swaps"
     (bitdet's kernel swaps; default: the deterministic flag), "without_patches" (patch ids the recipe
-    would get that this side runs without) and "fill_uninitialized_memory" (torch's NaN-fill; default:
-    the run recipe's)."""
+    would get that this side runs without), "fill_uninitialized_memory" (torch's NaN-fill; default:
+    the run recipe's) and "upstream_mode" (megatron's own deterministic mode of the installed version,
+    ``compat.upstream_determinism``, sets torch's flag before each of its steps)."""
     sides = [{"name": "deterministic", "recipe": recipe.to_dict(), "deterministic": True}]
     if recipe.determinism.reductions != "native":
         d = recipe.to_dict()

@@ -62,6 +62,7 @@ class Side:
     deterministic: bool
     swaps: list = field(default_factory=list)  # the enforcement's resolved swaps (deterministic side only)
     fill: bool = False  # torch.utils.deterministic.fill_uninitialized_memory during its steps
+    upstream_mode: bool = False  # megatron's own deterministic mode of the installed version sets torch's flag
     state: object = None
     data: object = None
     step_s: list = field(default_factory=list)
@@ -150,8 +151,10 @@ _DEFAULT_THREADS: list = []
 
 
 def _activate(side: Side) -> None:
-    """Make this process run ``side``: its exact patch set, torch's deterministic-algorithms flag and
-    its thread count (a deterministic recipe's determinism.threads, else torch's default)."""
+    """Make this process run ``side``: its exact patch set, torch's deterministic-algorithms flag (or
+    upstream's deterministic mode, ``compat.upstream_determinism``) and its thread count (a deterministic
+    recipe's determinism.threads, else torch's default)."""
+    from megatron_bitdet.compat import upstream_determinism
     from megatron_bitdet.compat.patching import applied_patches, apply_patches, load_declarations, revert_patches
 
     have = [p["id"] for p in applied_patches()]
@@ -161,7 +164,10 @@ def _activate(side: Side) -> None:
     missing = [i for i in side.patches if i not in have]
     if missing:
         apply_patches(load_declarations(ids=missing))
-    torch.use_deterministic_algorithms(side.deterministic)
+    if side.upstream_mode:
+        upstream_determinism.apply(side.recipe)
+    else:
+        torch.use_deterministic_algorithms(side.deterministic)
     torch.utils.deterministic.fill_uninitialized_memory = side.fill
     det = side.recipe.determinism
     torch.set_num_threads(det.threads if det.mode and det.threads is not None else _DEFAULT_THREADS[0])
@@ -270,7 +276,8 @@ def tax_worker(rank: int, world_size: int, *, recipe: dict, sides: list, rounds:
         patches = [p for p in select_patches(r, family=resolve_spec_family(r), swaps=swaps)
                    if p not in s.get("without_patches", ())]
         built.append(Side(s["name"], r, patches, s["deterministic"], swaps,
-                          fill=s.get("fill_uninitialized_memory", run_recipe.determinism.fill_uninitialized_memory)))
+                          fill=s.get("fill_uninitialized_memory", run_recipe.determinism.fill_uninitialized_memory),
+                          upstream_mode=s.get("upstream_mode", False)))
         providers.append(load_model_provider(s.get("model_provider", model_provider)))
     phases = {"start": time.perf_counter()}
     for side, provider in zip(built, providers):
