@@ -298,14 +298,15 @@ def test_every_refusal_of_a_line_comes_in_one_report_megatrons_bare_assert_with_
     assert "[resume_skips_restore] the line resumes (--load) with --no-load-optim" in err
 
 
-def test_dp_invariant_reductions_are_refused_under_megatron_lms_loop(tmp_path, capsys):
-    """Fail closed: the Megatron-LM loop does not install DP-invariant reductions (a DP 2 run compared with a
-    DP 1 run diverged while --check passed it); the recipe asking for them is a violation naming the key."""
+def test_dp_invariant_reductions_are_refused_where_megatron_lms_loop_does_not_install_them(tmp_path, capsys):
+    """Fail closed: under the Megatron-LM loop the mode is installed for plain DDP only
+    (test_megatron_lm_dp_invariant.py); this line's distributed optimizer and EP 2 are named, each with its fix."""
     recipe = line_recipe(tmp_path / "dp.yaml", "{reductions: dp_invariant, virtual_dp: 1}")
     assert bitdet(["megatron-lm", "--check", script(HYBRID), *MAMBA, "--recipe", str(recipe)]) == 2
     out = capsys.readouterr().out
-    assert f"[reductions_not_installed] determinism.reductions is dp_invariant ({recipe}:4)" in out
-    assert "fix: set determinism.reductions: topology_invariant or native" in out
+    assert (f"[reductions_not_installed] determinism.reductions is dp_invariant ({recipe}:4) with "
+            "--use-distributed-optimizer; --expert-model-parallel-size 2") in out
+    assert "fix: drop --use-distributed-optimizer; use --expert-model-parallel-size 1" in out
 
 
 def test_recipe_disagreeing_with_a_flag_is_refused_naming_both(tmp_path, capsys):

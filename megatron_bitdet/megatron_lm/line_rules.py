@@ -6,8 +6,9 @@
   of Megatron-LM core_v0.16.1 and core_v0.19.0): every restart of the job continues from a state the
   uninterrupted run never had. The line accepts it with ``--accept-skipped-restore`` (recorded in the
   manifest as an opt-out; ``bitdet verify-resume --skip-restore`` plants its faults that way).
-- ``reductions_not_installed``: ``determinism.reductions: dp_invariant`` is installed by bitdet's own loop
-  only; under Megatron-LM's loop the run would reduce natively while its manifest claimed DP invariance.
+- ``reductions_not_installed``: ``determinism.reductions: dp_invariant`` on a line it is not installed for
+  under Megatron-LM's loop (``virtual_ranks.refusals``: the distributed optimizer, overlap, model
+  parallelism, ...): the run would reduce natively there while its manifest claimed DP invariance.
 
 And what the manifest records of how a launch stops (``stop``): a wall-clock or signal stop is accepted
 (the steps' bits do not depend on where a launch stops; Megatron agrees the stop step across ranks and saves
@@ -86,13 +87,16 @@ def line_judgement(args, recipe) -> tuple[list, list]:
                                         "; ".join(fix for _, _, fix in skipped)
                                         + f" (or accept it on purpose with {ACCEPT_FLAG})"))
     if recipe is not None and recipe.determinism.reductions == "dp_invariant":
-        violations.append(Violation(
-            "reductions_not_installed",
-            f"determinism.reductions is dp_invariant ({recipe.where('determinism', 'reductions')})",
-            "bitdet's DP-invariant reductions are installed by bitdet's own loop (bitdet train), not under "
-            "Megatron-LM's: the run would reduce natively and its bits would follow the data-parallel size",
-            "set determinism.reductions: topology_invariant or native (installed under Megatron-LM), or train "
-            "the recipe with bitdet train"))
+        from megatron_bitdet.megatron_lm.virtual_ranks import WHY, refusals
+
+        refused = refusals(args, recipe)
+        if refused:
+            violations.append(Violation(
+                "reductions_not_installed",
+                f"determinism.reductions is dp_invariant ({recipe.where('determinism', 'reductions')}) with "
+                + "; ".join(what for what, _ in refused), WHY,
+                "; ".join(fix for _, fix in refused) + " (or set determinism.reductions: topology_invariant or "
+                "native, or train the recipe with bitdet train)"))
     return violations, opt_outs
 
 

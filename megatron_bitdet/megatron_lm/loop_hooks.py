@@ -63,6 +63,7 @@ class Session:
     built: dict | None = None            # the built-model audit (rule id -> what runs), after the build
     world_size: int | None = None        # a --check's world (the launch's --nproc; None: the environment's)
     preflight: bool = False              # judge as the ranks will, before any starts (bitdet megatron-lm --nproc)
+    virtual: object = None               # dp_invariant: this rank's virtual_ranks.VirtualSteps, made at the first step
 
     @property
     def trace(self):
@@ -131,10 +132,10 @@ def on_validate(session, args, defaults=None) -> None:
     for warning in enforcement.warnings:
         print(f"[bitdet] warning: {warning}", file=sys.stderr, flush=True)
     session.patches = patching.apply_for(recipe, family=recipe.model.spec, swaps=enforcement.rules.swaps)
-    if recipe.determinism.reductions == "topology_invariant":  # the recipe's reductions, as bitdet train's setup
+    if recipe.determinism.reductions != "native":  # the recipe's reductions, as bitdet train's setup
         from megatron_bitdet.train import reductions
 
-        session.patches = [*session.patches, reductions.install("topology_invariant")]
+        session.patches = [*session.patches, reductions.install(recipe.determinism.reductions)]
     if judged is not None:
         swap_spec(recipe, args, enforcement.rules, in_place=True, config=args)
     session.manifest = launch_manifest(session, enforcement, args)
@@ -161,6 +162,18 @@ def audit_built(session, model) -> None:
         write_manifest(session.run_dir, session.manifest)
 
 
+def start_virtual_ranks(session, model) -> None:
+    """dp_invariant: this rank's virtual layout (buckets scaled by 1/V), recorded in the manifest's
+    reductions record as ``bitdet train`` records it."""
+    from megatron_bitdet.megatron_lm.virtual_ranks import VirtualSteps
+    from megatron_bitdet.train.step_fingerprints import ddp_buffers
+
+    session.virtual = VirtualSteps(session.recipe, model)
+    grad_bytes = sum(g.numel() * g.element_size() for g in ddp_buffers(model, "grad_data"))
+    session.patches[-1]["virtual_layout"] = session.virtual.virtual.record(grad_bytes)
+    session.manifest["patches"] = session.patches
+
+
 def _wrap_optimizer_step(session, optimizer) -> None:
     """The grads' digests are launched (untraced, on their device, no host sync: part of the step's
     time) right before the optimizer consumes them; lr is the one the step used; in a traced step the
@@ -172,7 +185,7 @@ def _wrap_optimizer_step(session, optimizer) -> None:
 
     original = optimizer.step
     model = session.model
-    session.digests = StepDigests(model, optimizer=optimizer)
+    session.digests = StepDigests(model, optimizer=optimizer, logical_digests=session.virtual is not None)
 
     def step(*a, **kw):
         with untraced(session.traced):
@@ -368,6 +381,8 @@ def install(session: Session) -> None:
     def train_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, *a, iteration=None,
                    **kw):
         session.model, session.iteration = model, iteration + 1
+        if session.virtual is None and session.recipe.determinism.reductions == "dp_invariant":
+            start_virtual_ranks(session, model)
         if session.built is None and session.enforcement is not None and session.enforcement.mode:
             audit_built(session, model)
         _wrap_optimizer_step(session, optimizer)
@@ -379,8 +394,12 @@ def install(session: Session) -> None:
         with traced_step(rank_tracer(session, model), config, model, iteration + 1) as session.traced:
             try:
                 session.step_clock().start()
+                if session.virtual is not None:  # Megatron's forward_backward_func, the argument after config
+                    a = (session.virtual.forward_backward(a[0], config), *a[1:])
                 result = original_step(forward_step_func, data_iterator, model, optimizer, scheduler, config, *a,
                                        iteration=iteration, **kw)
+                if session.virtual is not None:
+                    result = session.virtual.step_result(result)
                 session.clock.stop(iteration + 1)
             finally:
                 session.traced = None

@@ -123,16 +123,16 @@ def _moe_aux_losses(recipe, num_microbatches: int, hosted=None, virtual=None) ->
     return moe_aux_losses(num_microbatches, names=[name] if name else [])
 
 
-def _lm_loss(losses_reduced, virtual=None):
-    """DP-averaged LM loss, as Megatron reports it (None off the last pipeline stage). ``virtual``
-    (dp_invariant): every micro-batch's (loss sum, tokens) gathered in global micro-batch order and
-    added by the pairwise tree, the same bits at any DP."""
+def _lm_loss(losses_reduced, virtual=None, key: str = "lm loss"):
+    """DP-averaged LM loss (``key``'s report), as Megatron reports it (None off the last pipeline stage).
+    ``virtual`` (dp_invariant): every micro-batch's (loss sum, tokens) gathered in global micro-batch order
+    and added by the pairwise tree, the same bits at any DP."""
     from megatron.core import parallel_state as ps
 
     if not losses_reduced:
         return None
     group = ps.get_data_parallel_group(with_context_parallel=True)
-    per_microbatch = torch.stack([x["lm loss"] for x in losses_reduced])
+    per_microbatch = torch.stack([x[key].view(-1) for x in losses_reduced])
     if virtual is None:
         total = per_microbatch.sum(dim=0)
         torch.distributed.all_reduce(total, group=group)
