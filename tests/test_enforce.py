@@ -1,6 +1,7 @@
 """--deterministic-mode enforcement: rules table, env validation, late application, manifest, seams, CLI."""
 import argparse
 import dataclasses
+import importlib
 import json
 import os
 import subprocess
@@ -338,13 +339,29 @@ def test_cli_swaps_router_fusion_when_swaps_are_on():
     assert "1 swapped" in swapped.stdout and "moe_aux_loss" in swapped.stdout
 
 
+def _bound(symbol):
+    """What ``module:attr`` or ``module:Class.attr`` holds itself (a class's own attribute, not inherited)."""
+    from megatron_bitdet.compat.patching import split_symbol
+
+    module, attr = split_symbol(symbol)
+    owner = importlib.import_module(module)
+    for part in attr.split("."):
+        owner = vars(owner)[part]
+    return owner
+
+
 def test_enable_installs_the_swaps_it_records(clean_env, torch_state):
     """What enable() reports as swapped is installed (a Megatron-LM script gets it without bitdet train):
     megatron's own call sites reach the deterministic variant, and the manifest lists the patch."""
-    from megatron.core.transformer.moe import moe_utils, router
+    from megatron.core.transformer.moe import router
 
+    from megatron_bitdet.compat.patching import (
+        applied_patches,
+        load_declarations,
+        megatron_core_version,
+        revert_patches,
+    )
     from megatron_bitdet.kernels import moe_aux
-    from megatron_bitdet.compat.patching import applied_patches, revert_patches
 
     for name in ("TORCHINDUCTOR_MAX_AUTOTUNE", "TORCHINDUCTOR_MAX_AUTOTUNE_GEMM"):
         clean_env.setenv(name, "0")  # inductor may already be imported by an earlier test
@@ -354,7 +371,12 @@ def test_enable_installs_the_swaps_it_records(clean_env, torch_state):
         enforcement = enable(recipe)
         assert [s["swap"] for s in enforcement.rules.swaps] == ["moe_aux_loss"]
         assert router.switch_load_balancing_loss_func is moe_aux.switch_load_balancing_loss_func
-        assert moe_utils.reduce_aux_losses_tracker_across_ranks is moe_aux.reduce_aux_losses_tracker_across_ranks
+        # the loss and the tracker's reduction (moe_utils' function before 0.18, the tracker class's
+        # _sync_metrics from 0.18: the swaps the declaration applies to the installed version)
+        [declaration] = load_declarations(ids=["moe_aux_loss"])
+        swaps = [s for s in declaration.swaps if s.applies(megatron_core_version())]
+        assert len(swaps) == 2
+        assert all(_bound(t) is _bound(s.replacement) for s in swaps for t in s.targets)
         assert [p["id"] for p in enforcement.patches] == ["moe_aux_loss"]
         assert [p["id"] for p in build_manifest(recipe, enforcement, world_size=1)["patches"]] == ["moe_aux_loss"]
     finally:

@@ -253,13 +253,14 @@ def test_moe_layer_runs_with_grouped_experts_like_sequential(megatron_1rank):
     """megatron's MoELayer (router, alltoall dispatcher) with GroupedProbMLP as its experts."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
-    from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+    from megatron_bitdet.compat import builders
 
     config = moe_config()
     spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=4)
-    ref = build_module(spec, config=config, layer_number=1)
-    spec.submodules.experts = ModuleSpec(module=GroupedProbMLP, submodules=spec.submodules.experts.submodules)
-    ours = build_module(spec, config=config, layer_number=1)
+    ref = spec(config=config, layer_number=1)  # a ModuleSpec before megatron-core 0.17, a partial from 0.17
+    moe = builders.submodules_of(spec)
+    moe.experts = builders.rebuilt(moe.experts, module=GroupedProbMLP)
+    ours = spec(config=config, layer_number=1)
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(1))
     outs = []

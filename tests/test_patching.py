@@ -3,6 +3,7 @@ megatron's own call paths reach the replacements, revert restores, versions are 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import pkgutil
 import sys
 from unittest.mock import NonCallableMock
@@ -216,8 +217,10 @@ def test_aux_tracker_reduction_reaches_the_rank_ordered_version(megatron_1rank, 
     assert logged() == 0.75 and calls == []
     with patched(load_declarations(ids=["moe_aux_loss"])):
         assert logged() == 0.75
-    # the tracker may hold other names (zeroed, not removed) from earlier tests: each is reduced too
-    assert [c.sum().item() for c in calls].count(0.75) == 1, calls
+    # the tracker may hold other names (zeroed, not removed) from earlier tests: each is reduced too. One
+    # rank-ordered sum per reduction step of this name: the PP sum; the 0.18+ tracker class also the DP mean
+    tracker_class = importlib.util.find_spec("megatron.core.transformer.moe.moe_logging") is not None
+    assert [c.sum().item() for c in calls].count(0.75) == (2 if tracker_class else 1), calls
 
 
 def test_spec_providers_hand_out_the_grouped_experts():
