@@ -105,7 +105,10 @@ def test_mamba_mixer_runs_on_bitdet_kernels(hybrid):
     assert torch.isfinite(out).all()
     out.mean().backward()
     for mixer in mixers:
-        for name in ("A_log", "D", "dt_bias", "conv1d.weight"):
+        # the conv's weight and bias: an nn.Conv1d's before megatron-core 0.19, the mixer's own from 0.19
+        conv = [n for n, _ in mixer.named_parameters() if n.startswith("conv1d")]
+        assert len(conv) == 2, conv
+        for name in ("A_log", "D", "dt_bias", *conv):
             grad = mixer.get_parameter(name).grad
             assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0, name
 
@@ -129,14 +132,14 @@ def test_built_model_audit_names_what_runs(hybrid):
 
 def test_built_model_audit_refuses_a_known_source_it_finds():
     """A built module of a catalog class is judged as the class, whatever the recipe says. Stand-in:
-    megatron's legacy GroupedMLP needs the grouped_gemm CUDA package to be constructed, so the built
-    instance is a GroupedMLP subclass initialized as a bare torch Module (its class is what is judged)."""
-    from megatron.core.transformer.moe.experts import GroupedMLP
+    megatron's TEGroupedMLP needs Transformer Engine to be constructed, so the built instance is a
+    TEGroupedMLP subclass initialized as a bare torch Module (its class is what is judged)."""
+    from megatron.core.transformer.moe.experts import TEGroupedMLP
 
     from megatron_bitdet.enforce import plan
     from megatron_bitdet.enforce.audit import by_rule, walk_built
 
-    class BuiltGroupedMLP(GroupedMLP):
+    class BuiltGroupedMLP(TEGroupedMLP):
         def __init__(self):
             torch.nn.Module.__init__(self)
 
