@@ -213,20 +213,30 @@ def te_spec_line() -> list:
 @pytest.mark.parametrize("stand_in", [False, True], ids=["cpu", "te_stand_in"])
 def test_check_names_the_grouped_experts_class_of_megatrons_te_mamba_spec(stand_in, tmp_path, capsys, request,
                                                                         monkeypatch):
-    """The spec builds its experts at import whatever the flags say: GroupedMLP here (TE absent), TEGroupedMLP
-    with TE (test_audit's TE grouped-linear stand-in, the spec module executed afresh with it); --check
-    names that class as swapped, the manifest records GroupedProbMLP running there; without swaps it is
-    refused by name."""
-    expected = "TEGroupedMLP" if stand_in else "GroupedMLP"
+    """The spec builds its experts at import whatever the flags say: TEGroupedMLP with TE (test_audit's TE
+    grouped-linear stand-in, the spec module executed afresh with it), and here (TE absent) the legacy GroupedMLP
+    before megatron-core 0.17; --check names that class as swapped, the manifest records GroupedProbMLP running
+    there; without swaps it is refused by name. From 0.17 (no GroupedMLP, ``partial`` builders) the spec here
+    holds SequentialMLP on local linears: deterministic, clear, and recorded as what runs."""
+    from megatron_bitdet.compat.builders import partial_builders
+
     if stand_in:
         monkeypatch.setitem(sys.modules, TE_SPEC[1], request.getfixturevalue("te_mamba_specs"))
     rc = bitdet(["megatron-lm", "--check", "--run-dir", str(tmp_path / "run"), script(HYBRID),
                  *te_spec_line()])
     out = capsys.readouterr().out
     assert rc == 3, out  # the rules pass; the TE spec cannot run on this machine (exit 3, its own section)
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    if not stand_in and partial_builders():
+        sequential = "megatron.core.transformer.moe.experts:SequentialMLP"
+        assert f"runs [te_grouped_gemm] moe_layer.mlp.experts: {sequential}\n" in out and " 0 swapped" in out, out
+        assert manifest["rules"]["runs"]["te_grouped_gemm"] == [
+            {"position": "moe_layer.mlp.experts", "runs": sequential, "source": None}]
+        assert manifest["recipe"]["model"]["moe"]["expert_impl"] == "sequential"
+        return
+    expected = "TEGroupedMLP" if stand_in else "GroupedMLP"
     assert (f"swapped [te_grouped_gemm] moe_layer.mlp.experts is megatron.core.transformer.moe.experts:{expected}"
             " -> deterministic variant 'grouped_gemm_dprob'") in out
-    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
     [runs] = manifest["rules"]["runs"]["te_grouped_gemm"]
     assert runs == {"position": "moe_layer.mlp.experts", "runs": "megatron_bitdet.kernels.grouped_mlp:GroupedProbMLP",
                     "source": None}
