@@ -65,13 +65,10 @@ def run(args) -> int:
     if args.megatron_lm:
         from megatron_bitdet.workflows.megatron_resume import verify_megatron_resume
 
-        if args.resume_nproc is not None:
-            raise BitdetInputError("--resume-nproc: resuming at another data-parallel size is built for bitdet "
-                                   "train runs (--recipe); Megatron-LM runs resume at their own --nproc")
         report = verify_megatron_resume(
             args.megatron_lm, launch_line_after_dashes(args), parse_resume_at(args.resume_at), nproc=args.nproc,
             skip_restore=args.skip_restore,
-            reference_dir=args.reference, full_snapshots=args.full_snapshots,
+            reference_dir=args.reference, full_snapshots=args.full_snapshots, resume_nproc=args.resume_nproc,
             out_dir=args.out or os.path.join("runs", "verify_resume", os.path.basename(args.megatron_lm)))
         return _print_report(report, args)
     if not args.recipe:

@@ -6,13 +6,19 @@ A skipped restore is Megatron-LM's own flag, passed to every resumed segment (``
 ``--no-load-optim``, with ``--accept-skipped-restore``: a plain launch refuses it): what a user would get
 wrong, caught by name and first divergent step. The line's own such flags are dropped with a note
 (``launch.pasted``).
+
+Across data-parallel sizes (``resume_nproc``, as ``workflows.resume`` for ``bitdet train``): the reference and
+segment 0 run at ``nproc``, every resumed segment at ``resume_nproc``, so the first ``--load`` reshards the
+checkpoint through ``dist_checkpointing``; only a line whose ``--recipe`` runs ``dp_invariant`` (which under
+Megatron-LM's loop means plain DP: one model-parallel rank, ``megatron_lm.virtual_ranks``) gets a verdict.
+Every resumed rank is compared with reference rank 0, and the ranks' logical partials are compared added.
 """
 from __future__ import annotations
 
 import os
 from pathlib import Path
 
-from megatron_bitdet.workflows.resume import ResumeReport, check_resume_at, run_chain
+from megatron_bitdet.workflows.resume import ResumeReport, check_other_dp, check_resume_at, run_chain
 from megatron_bitdet.rundir import fresh
 from megatron_bitdet.errors import BitdetInputError
 from megatron_bitdet.megatron_lm.line_rules import ACCEPT_FLAG
@@ -85,13 +91,32 @@ def _check_reference(reference: Path, script: str, megatron_args: list, steps: l
     check_snapshots(reference, steps, nproc, f"make the reference with --snapshot-at {','.join(map(str, steps))}")
 
 
+def line_recipe(megatron_args: list):
+    """The line's ``--recipe`` with its ``--bitdet-override``s (None without one: native reductions)."""
+    from megatron_bitdet.megatron_lm.entry import load_base_recipe
+    from megatron_bitdet.megatron_lm.options import preparse
+
+    return load_base_recipe(preparse(megatron_args))
+
+
 def verify_megatron_resume(script: str, megatron_args: list, resume_at, *, nproc: int, out_dir,
-                           skip_restore=(), reference_dir=None, full_snapshots: bool = False) -> ResumeReport:
+                           skip_restore=(), reference_dir=None, full_snapshots: bool = False,
+                           resume_nproc: int | None = None) -> ResumeReport:
     """``reference_dir``: reuse an uninterrupted run of the same launch line made with ``--snapshot-at``;
-    ``full_snapshots``: every snapshot also keeps its tensors in full (``--snapshot-full all``)."""
+    ``full_snapshots``: every snapshot also keeps its tensors in full (``--snapshot-full all``);
+    ``resume_nproc``: the resumed segments' world size (module docstring)."""
     from megatron_bitdet.megatron_lm.launch import launch_or_fail, pasted
 
     megatron_args = pasted(megatron_args, "verify-resume")
+    if resume_nproc == nproc:
+        resume_nproc = None
+    if resume_nproc is not None:
+        recipe = line_recipe(megatron_args)
+        if recipe is None:
+            raise BitdetInputError(f"--resume-nproc {resume_nproc}: the launch line has no --recipe, so it runs "
+                                   "c10d's reductions, whose sums follow the data-parallel size: add --recipe R with "
+                                   "determinism.reductions=dp_invariant determinism.virtual_dp=V, or drop --resume-nproc")
+        check_other_dp(recipe, nproc, resume_nproc, "--resume-nproc")
     iterations = train_iters(megatron_args)
     steps = check_resume_at(resume_at, iterations)
     faults = skipped_restore_flags(skip_restore)
@@ -124,7 +149,9 @@ def verify_megatron_resume(script: str, megatron_args: list, resume_at, *, nproc
             argv += ["--load", str(load_from / "checkpoints"), "--ckpt-step", str(start),
                      "--snapshot-at", str(start), *faults, *([ACCEPT_FLAG] if faults else [])]
         what = f"segment {start}->{stop}" + (" (second pass)" if full is not None else "")
-        launch_or_fail(script, argv, nproc=nproc, run_dir=run_dir, what=what)
+        launch_or_fail(script, argv, nproc=resume_nproc or nproc if load_from is not None else nproc,
+                       run_dir=run_dir, what=what)
 
-    return run_chain(segment, name=Path(script).name, steps=steps, iterations=iterations, nproc=nproc,
-                     out_dir=out_dir, reference_dir=reference, faults=faults)
+    return run_chain(segment, name=Path(script).name, steps=steps, iterations=iterations, nproc=resume_nproc or nproc,
+                     out_dir=out_dir, reference_dir=reference, faults=faults,
+                     reference_ranks=None if resume_nproc is None else [0] * resume_nproc)
