@@ -5,7 +5,9 @@
 #   - the 0.19.2 wheel installed under a py3-none-any file name with --ignore-requires-python --no-deps
 #     (its .py files parse and import on 3.11; its cp312 dataset helpers .so does not load);
 #   - the dataset helpers rebuilt for 3.11 with Megatron-LM core_v0.19.0's Makefile (no wheel ships it)
-#     beside the wheel's helpers.cpp, and pybind11;
+#     beside the wheel's helpers.cpp, and pybind11; with -DNDEBUG, as every published wheel's .so is built
+#     (setuptools' flags): helpers.cpp's assert()s are off there (an empty split's tokens_per_epoch of 0,
+#     which a 1 MiB corpus at split 98,1,1 gives, aborted the whole pytest process otherwise);
 #   - triton (from 0.18, `import megatron.core` imports it: moe/paged_stash);
 #   - typing.override (3.12) bound to typing_extensions.override by a sitecustomize.py in that venv's
 #     site-packages, before megatron.training's models import it.
@@ -55,7 +57,7 @@ EOF
 DATASETS="$SITE/megatron/core/datasets"
 rm -f "$DATASETS"/helpers_cpp.cpython-312-*.so
 cp "$SHARED/megatron-core-datasets.Makefile" "$DATASETS/Makefile"
-(PATH="$DEST/bin:$PATH" "$PY" -c 'from megatron.core.datasets.utils import compile_helpers; compile_helpers()' >/dev/null)
+(PATH="$DEST/bin:$PATH" CPPFLAGS=-DNDEBUG "$PY" -c 'from megatron.core.datasets.utils import compile_helpers; compile_helpers()' >/dev/null)
 "$PY" -c 'import typing, megatron.core, megatron.core.datasets.helpers_cpp; from importlib.metadata import version
 assert typing.override and version("megatron-core") == "'"$VERSION"'"
 print("megatron-core", version("megatron-core"), "imports on", __import__("sys").version.split()[0])'
