@@ -10,7 +10,8 @@ Before saying "built" it checks what it promises: at most 64 MiB in all (the siz
 exit 1), and pip, with no index and no configured links, resolves ``megatron-bitdet`` and
 ``megatron-core==0.19.2`` for CPython 3.12 on manylinux x86_64 from the kit alone, torch being the one
 requirement met from outside (by a metadata-only ``torch`` wheel in another folder, standing for the
-machine's own), and takes every wheel the kit holds: nothing missing, nothing unused. The install line: gpu_check.py's docstring.
+machine's own), and takes every wheel the kit holds: nothing missing, nothing unused. The install line
+is in gpu_check.py's docstring.
 """
 from __future__ import annotations
 
