@@ -340,6 +340,21 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def megatron_split(args) -> str | None:
+    """``--split`` as megatron-core's dataset config reads it (None: no data split is read): without a
+    ``--data-path`` (mock data) it replaces the split by its own ``1,1,1``; otherwise it takes the numbers its
+    ``[.0-9]+`` pattern finds, zeros padding train,valid,test (NVIDIA's Llama 3 script passes ``'99,1,0'``, the
+    quotes in the value: bash keeps them in an array element)."""
+    import re
+
+    if not getattr(args, "data_path", None):
+        return "1,1,1" if getattr(args, "mock_data", False) else None
+    if not getattr(args, "split", None):
+        return None
+    found = re.findall(r"[.0-9]+", args.split)
+    return ",".join([*found, *["0"] * (3 - len(found))]) if len(found) <= 3 else args.split
+
+
 def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str | None = None,
                      deterministic: bool = True, audited: dict | None = None):
     """The bitdet recipe of a Megatron-LM run: sections from the args, ``determinism`` from ``base``.
@@ -385,8 +400,9 @@ def recipe_from_args(args, base=None, *, script: str = "megatron-lm", data: str 
         raise BitdetInputError("these Megatron-LM flags are refused: " + "\n  ".join(issues))
     tree = {"name": base.name if base is not None else f"megatron-lm:{script}", **derived}
     tree["data"] = {"corpus": data or "megatron-lm data args"}
-    if getattr(args, "split", None):  # --split (Megatron's own default with --data-path), as the run reads it
-        tree["data"]["split"] = args.split
+    split = megatron_split(args)
+    if split is not None:
+        tree["data"]["split"] = split
     tree["determinism"] = base.to_dict()["determinism"] if base is not None else {}
     if not deterministic:
         tree["determinism"]["mode"] = False

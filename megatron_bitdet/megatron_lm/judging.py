@@ -214,7 +214,8 @@ def judge_line(session, args, validate_args, defaults=None):
     A line refused as input (by Megatron's validate_args, an unsupported flag, a recipe disagreeing with it)
     raises one BitdetInputError listing that with everything else judged of it."""
     from megatron_bitdet.enforce import megatron_overrides
-    from megatron_bitdet.megatron_lm.validate import unsupported, validated
+    from megatron_bitdet.enforce.megatron import MEGATRON_FLAG_RULES
+    from megatron_bitdet.megatron_lm.validate import model_config_refusal, unsupported, validated
 
     problems = []
     try:
@@ -229,9 +230,14 @@ def judge_line(session, args, validate_args, defaults=None):
         recipe, judged = judge(session, checked)
     except BitdetInputError as exc:
         raise refused([*problems, str(exc)], flag_violations(session, checked)) from None
-    overrides = megatron_overrides(recipe) if judged is not None and not judged[2] else {}
+    if judged is not None and not judged[2]:
+        overrides = megatron_overrides(recipe)
+    else:  # the line as it runs once its violations are fixed: a swapped feature is bitdet's variant, no row
+        swapped = {s["id"] for s in judged[1].swaps} if judged is not None else set()
+        overrides = {flag: False for flag, rule in MEGATRON_FLAG_RULES.items() if rule in swapped}
     config = argparse.Namespace(**{**vars(checked), **overrides})
     rows = machine_rows(session, recipe, config)
+    problems += model_config_refusal(config)
     if problems:
         raise refused(problems, judged[2] if judged is not None else (), rows)
     return checked, recipe, judged, config, rows

@@ -86,9 +86,16 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
         if get("position_embedding_type") in ("rope", "yarn", "mrope") and get("apply_rope_fusion"):
             out.append(Missing("RoPE fusion (on by default with rope)", "Transformer Engine's fused RoPE",
                                "add --no-rope-fusion"))
-        # --fp8-format is no row: without TE megatron-core's FP8 context is a nullcontext and the local linears
-        # train in the line's dtype; with the local spec the line is refused (args.fp8_issue), with a TE spec that
-        # spec's own row stands
+        # --fp8-format with the local spec is no row: without TE megatron-core's FP8 context is a nullcontext and
+        # the local linears train in the line's dtype, so the line is refused on any machine (args.fp8_issue).
+        # Where the line builds TE's modules, the row above switches them to the local ones, and FP8 must go too
+        local = family == "local" if spec is not None else not mamba and get("transformer_impl") == "local"
+        if get("fp8") and not local:
+            out.append(Missing(f"--fp8-format {a.fp8}", "Transformer Engine (megatron-core's FP8 is TE's autocast; "
+                               "the local modules this machine builds instead have no FP8 path)",
+                               "drop --fp8-format" + "; drop --fp8-param-gather" * bool(get("fp8_param_gather"))
+                               + " (FP8 on CPU: bitdet's emulation, bitdet verify-resume --recipe "
+                               "recipes/nemotron_h_tiny_fp8.yaml)"))
         # --te-rng-tracker is no row: without TE megatron-core builds its own tracker (``HAVE_TE and use_te_rng_tracker``)
         for flag in ("moe_permute_fusion", "moe_router_fusion", "tp_comm_overlap"):
             if get(flag):
@@ -143,6 +150,10 @@ def missing(a, spec, script: str, pattern: str) -> list[Missing]:
             if get("mtp_num_layers"):
                 out.append(Missing(f"--mtp-num-layers {a.mtp_num_layers} at --pipeline-model-parallel-size "
                                    f"{a.pipeline_model_parallel_size}", copy, "drop --mtp-num-layers"))
+        iters, start = get("train_iters"), get("profile_step_start", 0)  # train_iters None: samples-based
+        if get("profile") and not get("use_pytorch_profiler") and (iters is None or iters > start):
+            out.append(Missing(f"--profile (Nsight, from --profile-step-start {start})", "a CUDA device (Megatron-LM's "
+                               "train loop calls torch.cuda.cudart().cudaProfilerStart() there)", "drop --profile"))
         if get("moe_grouped_gemm"):
             out.append(Missing("--moe-grouped-gemm (not swapped)", "a CUDA device (Megatron-LM's validate_args "
                                "reads its compute capability)", "drop --moe-grouped-gemm"))

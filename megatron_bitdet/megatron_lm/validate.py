@@ -46,6 +46,34 @@ def validated(args, validate_args, defaults=None, *, world_size: int | None = No
     return probe
 
 
+# what this machine cannot run is judged by machine.missing (and FP8 / FP4 by args): megatron-core's config
+# asserts on these (the fused RoPE / permute kernels, TE's version) are that section's, not the line's
+MACHINE_NEUTRAL = {"apply_rope_fusion": False, "moe_permute_fusion": False, "moe_router_fusion": False,
+                   "gradient_accumulation_fusion": False, "masked_softmax_fusion": False, "no_persist_layer_norm": True,
+                   "tp_comm_overlap": False, "cuda_graph_impl": "none", "batch_invariant_mode": False}
+
+
+def model_config_refusal(config) -> list[str]:
+    """Megatron-LM's model config built from the validated line as the ranks' model builder builds it
+    (``core_transformer_config_from_args``): a ``TransformerConfig`` assert (``--fp8-param-gather`` left without
+    ``--fp8-format``) refuses the line before any rank starts instead of in each rank at model build. The copy has
+    the flags bitdet judges itself off, as for ``validated``, with the machine's (``MACHINE_NEUTRAL``) and FP8
+    (its ``--fp8-param-gather`` with it: ``args.fp8_issue`` and the machine section judge it)."""
+    from megatron.training.arguments import core_transformer_config_from_args
+
+    probe = copy.copy(config)
+    vars(probe).update({**NEUTRAL, **MACHINE_NEUTRAL})
+    if getattr(probe, "fp8", None):
+        probe.fp8, probe.fp8_param_gather = None, False
+    with contextlib.redirect_stdout(io.StringIO()), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            core_transformer_config_from_args(probe)
+        except (AssertionError, ValueError, RuntimeError, TypeError) as exc:
+            return [f"Megatron-LM's model config (TransformerConfig) refuses this launch line: {refusal(exc)}"]
+    return []
+
+
 def refusal(exc: BaseException) -> str:
     """Megatron's message and where it was raised; for a bare ``assert`` (no message) the asserted source line:
     ``megatron/training/arguments.py:1234: assert args.save_interval is not None``."""
