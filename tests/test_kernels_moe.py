@@ -250,7 +250,9 @@ def test_grouped_mlp_matches_sequential_mlp(megatron_1rank, act):
 
 
 def test_moe_layer_runs_with_grouped_experts_like_sequential(megatron_1rank):
-    """megatron's MoELayer (router, alltoall dispatcher) with GroupedProbMLP as its experts."""
+    """megatron's MoELayer (router, alltoall dispatcher) with GroupedProbMLP as its experts, its kernel config
+    passed through the experts builder (a ModuleSpec's params, or a 0.17+ partial's keywords) as
+    model.builder passes a recipe's grouped backend."""
     from megatron.core.models.backends import LocalSpecProvider
     from megatron.core.models.gpt.moe_module_specs import get_moe_module_spec_for_backend
     from megatron_bitdet.compat import builders
@@ -259,8 +261,9 @@ def test_moe_layer_runs_with_grouped_experts_like_sequential(megatron_1rank):
     spec = get_moe_module_spec_for_backend(LocalSpecProvider(), num_experts=4)
     ref = spec(config=config, layer_number=1)  # a ModuleSpec before megatron-core 0.17, a partial from 0.17
     moe = builders.submodules_of(spec)
-    moe.experts = builders.rebuilt(moe.experts, module=GroupedProbMLP)
+    moe.experts = builders.rebuilt(moe.experts, module=GroupedProbMLP, kernel_config=GroupedMLPConfig(dprob_tile_n=16))
     ours = spec(config=config, layer_number=1)
+    assert ours.experts.kernel_config == GroupedMLPConfig(dprob_tile_n=16)
     ours.load_state_dict(ref.state_dict())
     x = torch.randn(8, 2, 32, generator=torch.Generator().manual_seed(1))
     outs = []
