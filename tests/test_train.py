@@ -22,7 +22,9 @@ LAYOUTS = {
             {"tp": 2, "dp": 1, "ep": 1, "sp": False}, (0, 1)),
     "tp2_sp": (["parallel.tensor=2", "parallel.expert=1", "parallel.sequence_parallel=true"],
                {"tp": 2, "dp": 1, "sp": True}, (0, 1)),
-    "pp2": (["parallel.pipeline=2", "parallel.expert=1"], {"pp": 2, "tp": 1, "dp": 1}, (1,)),
+    # the first stage (M*-) has no MoE layer: its aux-loss tracker entry must still join the PP sum
+    "pp2": (["parallel.pipeline=2", "parallel.expert=1", "model.hybrid_pattern=M*-M*E"],
+            {"pp": 2, "tp": 1, "dp": 1}, (1,)),
     "dp2_distopt": (["parallel.expert=1"], {"dp": 2, "tp": 1, "pp": 1, "ep": 1}, (0, 1)),
 }
 
@@ -57,6 +59,11 @@ def test_parallel_layout_trains_and_twins_are_byte_identical(layout, tmp_path):
         assert twin.fingerprint_bytes(rank) == run.fingerprint_bytes(rank), f"{layout}: rank {rank} differs"
     if layout == "dp2_distopt":
         assert run.manifest()["recipe"]["parallel"]["distributed_optimizer"] is True
+    if layout == "pp2":  # the stage without experts reports the PP-summed aux loss too (on 0.18+ it hung)
+        for a, b in zip(run.steps(0), run.steps(1), strict=True):
+            aux = {k: v for k, v in a["metrics"].items() if k.startswith("aux_loss/")}
+            assert list(aux) == ["aux_loss/seq_load_balancing_loss/layer_06"]
+            assert aux == {k: b["metrics"][k] for k in aux}
 
 
 @pytest.mark.timeout(120)

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from megatron_bitdet.compat import moe_tracker
 from megatron_bitdet.fingerprint.steps import StepFingerprintWriter
 from megatron_bitdet.kernels.moe_aux import gather_ranks, rank_ordered_sum, tree_sum
 from megatron_bitdet.train.console import Console
@@ -69,14 +70,7 @@ def _tracked_name(recipe):
 def _tracker_entry(recipe, name: str) -> dict:
     """The tracker's entry for ``name``; a pipeline stage without MoE layers gets zeros, so that it
     still joins the PP-group sum."""
-    from megatron.core.transformer.moe import moe_utils
-
-    tracker = moe_utils.get_moe_layer_wise_logging_tracker()
-    if name not in tracker:
-        device = torch.cuda.current_device() if torch.cuda.is_available() else "cpu"
-        tracker[name] = {"values": torch.zeros(len(recipe.model.hybrid_pattern), device=device),
-                         "reduce_group": None, "avg_group": None, "reduce_group_has_dp": False}
-    return tracker[name]
+    return moe_tracker.entry(name, len(recipe.model.hybrid_pattern))
 
 
 def _take_aux(recipe):
@@ -108,16 +102,14 @@ def _virtual_aux_average(entry: dict, hosted: list, virtual) -> torch.Tensor:
 
 def _moe_aux_losses(recipe, num_microbatches: int, hosted=None, virtual=None) -> dict:
     """Per-layer load-balancing losses reduced across ranks as Megatron-LM's ``track_moe_metrics``
-    does (PP sum, reduce group, DP average), then cleared. The reduction goes through moe_utils'
-    module global, so under the ``moe_aux_loss`` swap its rank-ordered sum is what runs. ``hosted``
-    (dp_invariant): the hosted virtual ranks' values, averaged over the virtual layout instead."""
-    from megatron.core.transformer.moe import moe_utils
-
+    does (PP sum, reduce group, DP average), then cleared. The reduction is megatron's own
+    (``compat.moe_tracker.reduce``), so under the ``moe_aux_loss`` swap its rank-ordered sum is what runs.
+    ``hosted`` (dp_invariant): the hosted virtual ranks' values, averaged over the virtual layout instead."""
     name = _tracked_name(recipe)
     if name is not None:
         entry = _tracker_entry(recipe, name)
         if hosted is None:
-            moe_utils.reduce_aux_losses_tracker_across_ranks([name])
+            moe_tracker.reduce([name])
         else:
             entry["values"].copy_(_virtual_aux_average(entry, hosted, virtual))
     return moe_aux_losses(num_microbatches, names=[name] if name else [])

@@ -16,10 +16,11 @@ def moe_aux_losses(num_microbatches: int, *, names=None, clear: bool = True) -> 
     Megatron-LM's own logging reduces and clears the tracker after the step, so under it the rank's
     own values are read without clearing (``clear=False``)."""
     import torch
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    from megatron_bitdet.compat import moe_tracker
 
     out = {}
-    for name, entry in get_moe_layer_wise_logging_tracker().items():
+    for name, entry in moe_tracker.entries().items():
         if names is not None and name not in names:
             continue
         values = entry["values"] / num_microbatches
@@ -27,7 +28,7 @@ def moe_aux_losses(num_microbatches: int, *, names=None, clear: bool = True) -> 
             if v != 0:
                 out[f"{name}/layer_{layer + 1:02d}"] = v.to(torch.float32)
     if clear:
-        clear_aux_losses_tracker()
+        moe_tracker.clear()
     return out
 
 
