@@ -3,10 +3,11 @@
 optimizer, V = 4, 2 micro-batches a virtual rank, run at DP 1, 2 and 4 on real gloo ranks: bitwise-equal
 metrics and logical digests at every step; without the mode DP 1 and DP 4 differ and ``compare`` refuses
 them; a line the mode is not installed for is refused before any rank starts, naming each flag; the DP 4
-run's Megatron-LM checkpoint resumed at DP 2 continues bitwise (``verify-resume --resume-nproc``).
+run's Megatron-LM checkpoint resumed at DP 2 continues bitwise (``verify-resume --resume-nproc``), and its
+step 3 replays bitwise on one rank from that checkpoint (``replay --nproc 1``).
 
 Launches are shared through a module fixture (five: the mode at DP 1, 2, 4 -- the last also the
-verify-resume reference, with a snapshot as step 3 begins --; c10d's reductions at DP 1, 4).
+verify-resume reference, with a snapshot as step 3 begins, and saving at 2 --; c10d's reductions at DP 1, 4).
 """
 from __future__ import annotations
 
@@ -59,8 +60,9 @@ def runs(tmp_path_factory):
     recipe = mode_recipe(root / "dp.yaml")
     out = {"recipe": (recipe, 0)}
     for name, nproc, extra in (("dp1", 1, ["--recipe", str(recipe)]), ("dp2", 2, ["--recipe", str(recipe)]),
-                               ("dp4", 4, ["--recipe", str(recipe), "--snapshot-at", "2"]), ("native1", 1, []),
-                               ("native4", 4, [])):
+                               ("dp4", 4, ["--recipe", str(recipe), "--snapshot-at", "2", "--save",
+                                           str(root / "ckpt4"), "--save-interval", "2"]),
+                               ("native1", 1, []), ("native4", 4, [])):
         run = root / name
         rc = bitdet(["megatron-lm", "--nproc", str(nproc), "--run-dir", str(run), script(HYBRID),
                      *LINE, *extra])
@@ -127,3 +129,20 @@ def test_a_dp_4_checkpoint_resumed_at_dp_2_continues_bitwise(runs, tmp_path, cap
     assert logical == {"params": True, "exp_avg": True, "exp_avg_sq": True}, logical
     assert {c["rank"] for c in report["checks"]} == {0, 1}
     assert [p["steps_compared"] for p in report["points"]] == [[1, 2], [3]]
+
+
+def test_a_dp_4_step_replays_bitwise_on_one_rank_from_its_checkpoint(runs, tmp_path, capsys):
+    """replay --nproc 1 --context 0 of the DP 4 run's step 3: Megatron-LM's DP 4 checkpoint at 2 loaded by one
+    rank hosting the 4 virtual ranks, step 3 compared with the original as one logical rank."""
+    capsys.readouterr()
+    rc = bitdet(["replay", str(runs["dp4"][0]), "--step", "3", "--nproc", "1", "--context", "0", "--out",
+                 str(tmp_path / "replay"), "--json"])
+    result = last_json(capsys.readouterr())
+    assert rc == 0 and result["verdict"] == "reproduced", result
+    assert (result["checkpoint"], result["verified"]) == (2, [3])
+
+
+def test_a_run_without_the_mode_is_not_replayed_at_another_dp(runs, capsys):
+    rc = bitdet(["replay", str(runs["native4"][0]), "--step", "1", "--nproc", "1"])
+    assert rc == 2
+    assert "--nproc 1 (the run has 4 ranks): the recipe runs determinism.reductions=native" in capsys.readouterr().err

@@ -224,18 +224,17 @@ def replay(run_dir, step: int, *, out=None, context: int = 2, overrides=(), chec
     return result
 
 
-def _other_dp(spec: RelaunchSpec, nproc: int) -> RelaunchSpec:
-    """The spec of a replay on ``nproc`` ranks of a run made on ``spec.nproc``: a bitdet train run of
-    ``dp_invariant`` reductions whose layout differs in the data-parallel size alone (else exit 2). Its
+def _other_dp(spec: RelaunchSpec, nproc: int, recipe) -> RelaunchSpec:
+    """The spec of a replay on ``nproc`` ranks of a run made on ``spec.nproc`` (``recipe``: the run's,
+    ``_recipe``): a run of ``dp_invariant`` reductions whose layout differs in the data-parallel size alone
+    (else exit 2; a Megatron-LM line's own preflight refuses what the mode is not installed for there). Its
     ranks' digests are partials of the logical ones, so no rank stops at a first difference: the replayed
     steps are compared afterwards, as one logical rank (``analysis.compare``)."""
     from megatron_bitdet.workflows.resume import check_other_dp
 
     if nproc < 1:
         raise BitdetInputError(f"--nproc {nproc}: must be a positive number of ranks")
-    if spec.megatron_lm:
-        raise BitdetInputError(f"--nproc {nproc}: a Megatron-LM run replays on its own {spec.nproc} ranks")
-    check_other_dp(spec.recipe, spec.nproc, nproc, "--nproc")
+    check_other_dp(recipe, spec.nproc, nproc, "--nproc")
     return dataclasses.replace(spec, nproc=nproc)
 
 
@@ -254,7 +253,7 @@ def _replay(run_dir: Path, step: int, *, out, context, overrides, checkpoints, c
     spec = _spec(run_dir, overrides)
     other_dp = nproc not in (None, spec.nproc)
     if other_dp:
-        spec = _other_dp(spec, nproc)
+        spec = _other_dp(spec, nproc, _recipe(run_dir, spec, original.manifest))
     root = Path(checkpoints) if checkpoints else (
         _megatron_checkpoints(run_dir, spec) if spec.megatron_lm else checkpoints_dir(run_dir))
     checkpoint, ckpt_path = choose_checkpoint(root, max(0, step - 1 - context),
