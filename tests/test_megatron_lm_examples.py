@@ -6,7 +6,8 @@ real gloo ranks (exit 0). A line that passes ``--check`` and then fails in a ran
 Sources, all at Megatron-LM core_v0.16.1:
 - ``examples/gpt3/train_gpt3_175b_distributed.sh``: read from the checkout, its arrays expanded by bash as its
   ``torchrun`` line expands them. Megatron's own ``validate_args`` refuses it (``--rampup-batch-size`` with
-  ``--train-iters``): exit 2 before any rank, naming Megatron's assert.
+  ``--train-iters``; core_v0.19.0's script passes its ``--step-batch-size-schedule`` split into words by an
+  unquoted array expansion): exit 2 before any rank, naming the refusal.
 - ``examples/mamba/train.sh``: read from the checkout (``test_megatron_lm_lines.train_sh``), at TP 2 on 2 ranks,
   one micro-batch (its 4) per step.
 - ``examples/mixtral/train_mixtral_8x7b_distributed.sh`` (the MoE line resuming with ``--no-load-optim
@@ -240,22 +241,32 @@ def test_llama_line_records_its_stop_and_megatrons_split(example):
     assert manifest["megatron_lm"]["stop"] == ["wall_clock: --exit-duration-in-mins 235"]
 
 
+# how the GPT-3 script ramps its batch up, per Megatron-LM tag: the flag, its shrunk value and the refusal.
+# core_v0.19.0's schedule is quoted in its array, but the torchrun line expands the array unquoted: bash splits
+# it into words, of which Megatron-LM's parser takes the first (the rest: unexpected values)
+RAMPUPS = [("--rampup-batch-size", "2 2 4",  # core_v0.16.1: 16 16 5859375
+            "Megatron-LM's validate_args refuses this launch line: expected no batch-size rampup for "
+            "iteration-based training (megatron/training/arguments.py:"),
+           ("--step-batch-size-schedule", "0:2 8:4",  # core_v0.19.0: "0:16 2.4B:320 ... 12B:1536"
+            "the launch line: unexpected value 8:4")]
+
+
 @pytest.mark.megatron_lm
 def test_gpt3_175b_line_is_refused_by_megatrons_own_validate_args_before_any_rank(tmp_path):
-    """The GPT-3 175B script sets --rampup-batch-size with --train-iters, which Megatron-LM's validate_args asserts
-    against (iteration-based training has no rampup): --check and the launch exit 2 naming that assert, no rank
-    starts. Shrunk: 96 layers, hidden 12288, 96 heads, seq 2048, GBS 1536 (rampup 16 16 5859375), 500000
-    iterations, TP 8 x PP 16 -> 2, 64, 4, 64, GBS 4 (rampup 2 2 4), 3, PP 2; GPT-2 BPE + --data-path ->
-    NullTokenizer + --mock-data."""
-    words = shrink(gpt3_words(tmp_path / "ckpt"), {
+    """The GPT-3 175B script's batch rampup does not launch: Megatron-LM's own validate_args refuses a rampup with
+    --train-iters (core_v0.16.1); core_v0.19.0's step schedule reaches Megatron's parser split into words (above).
+    --check and the launch exit 2 naming that refusal, no rank starts. Shrunk: 96
+    layers, hidden 12288, 96 heads, seq 2048, GBS 1536, 500000 iterations, TP 8 x PP 16 -> 2, 64, 4, 64, GBS 4,
+    3, PP 2; GPT-2 BPE + --data-path -> NullTokenizer + --mock-data."""
+    words = gpt3_words(tmp_path / "ckpt")
+    [(flag, value, refusal)] = [r for r in RAMPUPS if r[0] in words]
+    words = shrink(words, {
         "--num-layers": "2", "--hidden-size": "64", "--num-attention-heads": "4", "--seq-length": "64",
-        "--max-position-embeddings": "64", "--global-batch-size": "4", "--rampup-batch-size": "2 2 4",
-        "--train-iters": "3", "--lr-decay-iters": "2", "--tensor-model-parallel-size": "1",
-        "--pipeline-model-parallel-size": "2", "--data-path": None, "--vocab-file": None, "--merge-file": None})
+        "--max-position-embeddings": "64", "--global-batch-size": "4", flag: value, "--train-iters": "3",
+        "--lr-decay-iters": "2", "--tensor-model-parallel-size": "1", "--pipeline-model-parallel-size": "2",
+        "--data-path": None, "--vocab-file": None, "--merge-file": None})
     assert "--fp16" in words and "--attention-backend" in words and "DATA" not in words
     words += ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "256", "--deterministic-mode"]
-    refusal = ("Megatron-LM's validate_args refuses this launch line: expected no batch-size rampup for "
-               "iteration-based training (megatron/training/arguments.py:")
     rc, out = run_bitdet(["megatron-lm", "--check", "--nproc", "2", script("pretrain_gpt.py"), *words])
     assert rc == 2 and refusal in out, out
     rc, out = run_bitdet(["megatron-lm", "--nproc", "2", "--run-dir", str(tmp_path / "run"), script("pretrain_gpt.py"),
