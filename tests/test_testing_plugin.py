@@ -125,6 +125,7 @@ def _kernel_cases():
 # swapped in under megatron's parallel state on several ranks: covered by the module check below
 MODULE_CASES = {"megatron_bitdet.kernels.grouped_mlp:GroupedProbMLP",
                 "megatron_bitdet.kernels.moe_aux:reduce_aux_losses_tracker_across_ranks",
+                "megatron_bitdet.kernels.moe_aux:sync_metrics",
                 "megatron_bitdet.kernels.moe_aux:switch_load_balancing_loss_func",
                 "megatron_bitdet.model.norm:LocalNorm"}
 # the emulated FP8 / NVFP4 linears need megatron's TP state and an fp8 / fp4 TransformerConfig: their
@@ -203,7 +204,9 @@ class SwappedMoEBlock(torch.nn.Module):
         from megatron.core import parallel_state as ps
         from megatron.core.transformer.moe import moe_utils
 
-        from megatron_bitdet.kernels.moe_aux import reduce_aux_losses_tracker_across_ranks, switch_load_balancing_loss_func
+        from megatron_bitdet.compat import moe_tracker
+        from megatron_bitdet.compat.patching import patched
+        from megatron_bitdet.kernels.moe_aux import switch_load_balancing_loss_func
 
         probs = torch.softmax(logits, dim=-1)
         top = probs.topk(self.topk, dim=1)
@@ -212,8 +215,11 @@ class SwappedMoEBlock(torch.nn.Module):
         moe_utils.clear_aux_losses_tracker()
         moe_utils.save_to_aux_losses_tracker("load_balancing_loss", aux.detach(), 1, 1,
                                              reduce_group=ps.get_data_parallel_group())  # crosses both ranks
-        reduce_aux_losses_tracker_across_ranks()
-        tracked = moe_utils.get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].clone()
+        # megatron's reduction with moe_aux_loss's swap for the installed version (its module function
+        # before 0.18, MoEMetricsTracker._sync_metrics from 0.18) in place
+        with patched(d for d in load_declarations() if d.id == "moe_aux_loss"):
+            moe_tracker.reduce(["load_balancing_loss"])
+        tracked = moe_tracker.entries()["load_balancing_loss"]["values"].clone()
         first = ps.get_expert_model_parallel_rank() * self.local
         local_counts = counts[first:first + self.local]  # tokens for this rank's experts, in expert order
         rows = hidden[: int(local_counts.sum())]
