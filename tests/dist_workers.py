@@ -49,6 +49,14 @@ def fail_then_peer_killed(rank, world_size):
     os.kill(os.getpid(), signal.SIGKILL)
 
 
+def pid_then_wait(rank, world_size, out):
+    """Writes its pid, then waits in a collective its peers never join: only a signal ends it."""
+    Path(out, f"pid_{rank}").write_text(str(os.getpid()))
+    if rank == 0:
+        dist.barrier()
+    time.sleep(600)
+
+
 def build_data(rank, world_size, cache_dir, out, max_bytes, steps):
     """Every rank builds the same fresh cache concurrently, then dumps its DP slice."""
     from megatron_bitdet.train.data import build_train_data

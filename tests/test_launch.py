@@ -1,9 +1,11 @@
 """The launcher on real child processes and real gloo collectives."""
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -160,3 +162,32 @@ def test_rank_touches_cuda_only_after_enforcement(worker, backend, expected, mon
         monkeypatch.setenv(k, v)
     assert run_rank(f"dist_workers:{worker}", {}, backend=backend) == 0
     assert events == expected
+
+
+@pytest.mark.timeout(120)
+def test_a_sigterm_to_the_launcher_ends_its_ranks(tmp_path):
+    """``timeout``, ``scancel`` and a job's end send SIGTERM to the launcher; its ranks (own process groups)
+    must not outlive it."""
+    import psutil
+
+    program = ("import sys; from megatron_bitdet.train.launch import launch; "
+               f"sys.exit(launch('dist_workers:pid_then_wait', 2, {{'out': {str(tmp_path)!r}}}))")
+    parent = subprocess.Popen([sys.executable, "-c", program], env={**os.environ, **_env()})
+    try:
+        pids = [tmp_path / f"pid_{r}" for r in range(2)]
+        for _ in range(600):
+            if all(p.is_file() and p.read_text() for p in pids):
+                break
+            assert parent.poll() is None, "the launcher ended before its ranks started"
+            time.sleep(0.1)
+        ranks = [psutil.Process(int(p.read_text())) for p in pids]
+        parent.send_signal(signal.SIGTERM)
+        rc = parent.wait(timeout=60)
+        gone, alive = psutil.wait_procs(ranks, timeout=30)
+        assert not alive, f"ranks outlived the launcher: {[p.pid for p in alive]}"
+        assert rc == 128 + signal.SIGTERM
+    finally:
+        parent.kill()
+        for p in (tmp_path / f"pid_{r}" for r in range(2)):
+            if p.is_file() and psutil.pid_exists(int(p.read_text())):
+                psutil.Process(int(p.read_text())).kill()

@@ -227,6 +227,29 @@ def _args_json(args) -> str:
 def _supervise(specs: list) -> int:
     """Start every (name, cmd, env, log, console) process; 0 when all exit 0, else the first failure's
     code after terminating the rest."""
+    with _sigterm_ends_here():
+        return _supervise_procs(specs)
+
+
+@contextlib.contextmanager
+def _sigterm_ends_here():
+    """A SIGTERM to the launcher (``timeout``, ``scancel``, a job's end) exits through the ``finally`` that
+    ends the ranks: Python's default action would leave them running, their process groups being their own."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def exit_on(signum, frame):
+        raise SystemExit(128 + signum)
+
+    before = signal.signal(signal.SIGTERM, exit_on)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
+def _supervise_procs(specs: list) -> int:
     procs: list[_Proc] = []
     exits: queue.Queue = queue.Queue()
     try:
