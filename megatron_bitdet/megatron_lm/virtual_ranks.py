@@ -8,10 +8,10 @@
   Megatron's data iterator, are dealt to the hosted virtual ranks (Megatron's sampler gives rank ``r`` of DP
   micro-batch ``k = j*h + e`` = virtual rank ``r + e*DP``'s micro-batch ``j``: exactly the hosted ones), and
   the schedule runs once per virtual rank, each from the step's RNG state into zeroed buffers, added by
-  ``GradTree``, then Megatron's ``finalize_model_grads`` once (``train.loop._hosted_forward_backward``);
+  ``GradTree``, then Megatron's ``finalize_model_grads`` once (``train.loop.hosted_forward_backward``);
 - the loss and aux-loss sums: the step's loss report is the pairwise tree over every virtual rank's
-  micro-batches (``train.loop._lm_loss``), and the tracker holds the virtual ranks' aux-loss average
-  (``_virtual_aux_average``) times the hosted count, so Megatron's logging (DP average of equal values,
+  micro-batches (``train.loop.reported_lm_loss``), and the tracker holds the virtual ranks' aux-loss average
+  (``virtual_aux_average``) times the hosted count, so Megatron's logging (DP average of equal values,
   ``1 / num_microbatches``) and the fingerprint read the DP = V bits;
 - the fingerprints carry the logical digests (``StepDigests(logical_digests=True)``).
 
@@ -66,7 +66,7 @@ def refusals(args, recipe) -> list[tuple[str, str]]:
 
 @dataclass
 class HostedState:
-    """What ``train.loop._hosted_forward_backward`` reads of a step, named as in bitdet's loop."""
+    """What ``train.loop.hosted_forward_backward`` reads of a step, named as in bitdet's loop."""
 
     ddp_modules: list
     config: object
@@ -90,7 +90,7 @@ class VirtualSteps:
         """Megatron's ``forward_backward_func`` run once per hosted virtual rank, each on its micro-batches."""
         def forward_backward_func(*, data_iterator, num_microbatches, **kw):
             from megatron_bitdet.kernels.reductions import bit_reversed
-            from megatron_bitdet.train.loop import _hosted_forward_backward
+            from megatron_bitdet.train.loop import hosted_forward_backward
 
             hosted = self.virtual.hosted
             batches = None if data_iterator is None else [next(data_iterator) for _ in range(num_microbatches)]
@@ -100,7 +100,7 @@ class VirtualSteps:
                 return original(data_iterator=next(deals), num_microbatches=num_microbatches // hosted, **kw)
 
             state = HostedState(self.model, config, self.recipe, self.virtual)
-            self.losses, aux = _hosted_forward_backward(state, run)
+            self.losses, aux = hosted_forward_backward(state, run)
             if aux is not None:
                 self._aux_average(aux)
             return self.losses
@@ -110,20 +110,20 @@ class VirtualSteps:
     def _aux_average(self, aux) -> None:
         """The tracker's values become the virtual ranks' average times the hosted count: Megatron's
         logging divides by its num_microbatches (hosted x a virtual rank's), exactly as at DP = V."""
-        from megatron_bitdet.train.loop import _tracked_name, _tracker_entry, _virtual_aux_average
+        from megatron_bitdet.train.loop import tracked_aux_name, aux_tracker_entry, virtual_aux_average
 
-        entry = _tracker_entry(self.recipe, _tracked_name(self.recipe))
-        entry["values"].copy_(_virtual_aux_average(entry, aux, self.virtual) * self.virtual.hosted)
+        entry = aux_tracker_entry(self.recipe, tracked_aux_name(self.recipe))
+        entry["values"].copy_(virtual_aux_average(entry, aux, self.virtual) * self.virtual.hosted)
 
     def step_result(self, result):
         """Megatron's train_step result with each (sum, count) loss the pairwise tree over the virtual ranks'
         micro-batches (Megatron's own sum followed the DP size)."""
-        from megatron_bitdet.train.loop import _lm_loss
+        from megatron_bitdet.train.loop import reported_lm_loss
 
         if not result or not result[0] or not self.losses:
             return result
         losses = dict(result[0])
         for key in losses:
             if self.losses[0][key].numel() == 2:
-                losses[key] = _lm_loss(self.losses, self.virtual, key=key)
+                losses[key] = reported_lm_loss(self.losses, self.virtual, key=key)
         return (losses, *result[1:])

@@ -63,11 +63,11 @@ _TRACKER_NAMES = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_b
                   "global_aux_loss": "global_load_balancing_loss"}
 
 
-def _tracked_name(recipe):
+def tracked_aux_name(recipe):
     return _TRACKER_NAMES.get(recipe.model.moe.load_balancing) if recipe.model.has("E") else None
 
 
-def _tracker_entry(recipe, name: str) -> dict:
+def aux_tracker_entry(recipe, name: str) -> dict:
     """The tracker's entry for ``name``; a pipeline stage without MoE layers gets zeros, so that it
     still joins the PP-group sum."""
     return moe_tracker.entry(name, len(recipe.model.hybrid_pattern))
@@ -75,16 +75,16 @@ def _tracker_entry(recipe, name: str) -> dict:
 
 def _take_aux(recipe):
     """One hosted virtual rank's per-layer aux-loss sums (its micro-batches, in order), zeroed after."""
-    name = _tracked_name(recipe)
+    name = tracked_aux_name(recipe)
     if name is None:
         return None
-    values = _tracker_entry(recipe, name)["values"]
+    values = aux_tracker_entry(recipe, name)["values"]
     taken = values.clone()
     values.zero_()
     return taken
 
 
-def _virtual_aux_average(entry: dict, hosted: list, virtual) -> torch.Tensor:
+def virtual_aux_average(entry: dict, hosted: list, virtual) -> torch.Tensor:
     """Megatron's PP sum and reduce-group sum, then the DP average as the pairwise tree over the virtual
     ranks' values (gathered, put in virtual-rank order) divided by V."""
     from megatron.core import parallel_state as ps
@@ -105,17 +105,17 @@ def _moe_aux_losses(recipe, num_microbatches: int, hosted=None, virtual=None) ->
     does (PP sum, reduce group, DP average), then cleared. The reduction is megatron's own
     (``compat.moe_tracker.reduce``), so under the ``moe_aux_loss`` swap its rank-ordered sum is what runs.
     ``hosted`` (dp_invariant): the hosted virtual ranks' values, averaged over the virtual layout instead."""
-    name = _tracked_name(recipe)
+    name = tracked_aux_name(recipe)
     if name is not None:
-        entry = _tracker_entry(recipe, name)
+        entry = aux_tracker_entry(recipe, name)
         if hosted is None:
             moe_tracker.reduce([name])
         else:
-            entry["values"].copy_(_virtual_aux_average(entry, hosted, virtual))
+            entry["values"].copy_(virtual_aux_average(entry, hosted, virtual))
     return moe_aux_losses(num_microbatches, names=[name] if name else [])
 
 
-def _lm_loss(losses_reduced, virtual=None, key: str = "lm loss"):
+def reported_lm_loss(losses_reduced, virtual=None, key: str = "lm loss"):
     """DP-averaged LM loss (``key``'s report), as Megatron reports it (None off the last pipeline stage).
     ``virtual`` (dp_invariant): every micro-batch's (loss sum, tokens) gathered in global micro-batch order
     and added by the pairwise tree, the same bits at any DP."""
@@ -143,7 +143,7 @@ class StepOutput:
     hosted_aux: list | None = None  # dp_invariant: each hosted virtual rank's per-layer aux-loss sums
 
 
-def _hosted_forward_backward(state, run) -> tuple[list, list]:
+def hosted_forward_backward(state, run) -> tuple[list, list]:
     """dp_invariant: each hosted virtual rank's micro-batches (in ``VirtualLayout.runs`` order, as the
     sampler deals them), from the step's RNG state (a rank at
     DP = V starts there too: megatron's seeds do not depend on the DP rank) into zeroed buffers; the
@@ -197,7 +197,7 @@ def train_step(state, data, forward_backward, *, tracer=None, step: int = 0, dig
         if state.virtual is None:
             losses = run()
         else:
-            losses, hosted_aux = _hosted_forward_backward(state, run)
+            losses, hosted_aux = hosted_forward_backward(state, run)
         if digests is not None:
             with untraced(tr):
                 digests.grads(step)
@@ -242,7 +242,7 @@ def train_steps(state, data, *, run_dir: Path, start: int, stop: int, save_root,
             digests.state(step)
             losses, ok, grad_norm, lr = out.losses, out.ok, out.grad_norm, out.lr
             elapsed = time.perf_counter() - t0
-            lm_loss = _lm_loss(losses, state.virtual)
+            lm_loss = reported_lm_loss(losses, state.virtual)
             aux = _moe_aux_losses(recipe, data.num_microbatches, out.hosted_aux, state.virtual)
             metrics = step_metrics(lm_loss=lm_loss, aux=aux, aux_coeff=moe_coeff, grad_norm=grad_norm, lr=lr)
             aux_total = metrics["aux_loss"]
