@@ -23,6 +23,7 @@ import pytest
 
 from megatron_bitdet.cli import main as bitdet
 from test_megatron_lm import HYBRID
+from test_audit import te_mamba_specs  # noqa: F401 - the TE stand-in spec module, a fixture
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 REPO = Path(__file__).resolve().parents[1]
@@ -179,7 +180,7 @@ def test_swiglu_ffn_size_is_megatrons_derived_one(tmp_path, capsys):
 
 
 @megatron_lm
-def test_fix_names_the_flag_and_the_recipe_key_only_with_a_recipe(tmp_path, capsys):
+def test_fix_names_the_flag_and_the_recipe_key_only_with_a_recipe(tmp_path, capsys, request, monkeypatch):
     from test_megatron_lm import MAMBA, line_recipe
 
     assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *MAMBA, "--cross-entropy-loss-fusion"]) == 2
@@ -189,9 +190,14 @@ def test_fix_names_the_flag_and_the_recipe_key_only_with_a_recipe(tmp_path, caps
                    "--recipe", str(recipe)]) == 2
     assert ("fix: drop --cross-entropy-loss-fusion (in the recipe: set model.cross_entropy_loss_fusion: false)"
             in capsys.readouterr().out)
-    # the TE spec itself holds the grouped experts (no --moe-grouped-gemm on the line): the fix names a spec
-    from test_megatron_lm import te_spec_line
+    # the TE spec itself holds the grouped experts (no --moe-grouped-gemm on the line): the fix names a spec.
+    # With TE (test_audit's stand-in) they are TEGroupedMLP on every version; without TE megatron-core 0.17+
+    # builds SequentialMLP there, which needs no fix (test_megatron_lm's TE-spec test covers that case)
+    import sys
 
+    from test_megatron_lm import TE_SPEC, te_spec_line
+
+    monkeypatch.setitem(sys.modules, TE_SPEC[1], request.getfixturevalue("te_mamba_specs"))
     assert bitdet(["megatron-lm", "--check", script("pretrain_mamba.py"), *te_spec_line(), "--recipe",
                    str(line_recipe(tmp_path / "no_swaps.yaml", "{swaps: false}"))]) == 2
     out = capsys.readouterr().out
@@ -407,13 +413,17 @@ def test_the_fused_kernel_rows_are_megatron_cores_own_failures(tmp_path):
         TransformerConfig(**base, apply_rope_fusion=True)
     moe = dict(num_moe_experts=4, moe_router_topk=2, moe_ffn_hidden_size=8, add_bias_linear=False)
     TransformerConfig(**base, **moe)
-    with pytest.raises(ImportError, match="fused_permute"):
+    # megatron-core 0.16.1 fails importing TE's fused_permute from moe_utils (ImportError naming it); from 0.17
+    # moe_utils binds it to None without TE and the config's own check refuses (ValueError): the same refusal
+    with pytest.raises((ImportError, ValueError), match="fused_permute|fused permutation is not available"):
         TransformerConfig(**base, **moe, moe_permute_fusion=True)
     from megatron.core.models.gpt import gpt_layer_specs
 
     gpt_layer_specs.get_gpt_layer_local_spec()  # --transformer-impl local
-    with pytest.raises(NameError, match="TESpecProvider"):  # TE's names, absent where TE does not import
+    # TE's names: unbound where TE does not import (0.16.1: NameError), bound to None from 0.17 (TypeError)
+    with pytest.raises((NameError, TypeError)) as no_te:
         gpt_layer_specs.get_gpt_layer_with_transformer_engine_spec()
+    assert "TESpecProvider" in f"{no_te.value} {no_te.traceback[-1].statement}", no_te.value
     from megatron.core.tensor_parallel import random as mrandom
 
     saved = mrandom._CUDA_RNG_STATE_TRACKER, mrandom._CUDA_RNG_STATE_TRACKER_INITIALIZED
@@ -642,7 +652,9 @@ def test_the_rows_megatron_lm_fails_on_before_the_model_is_built():
     --moe-grouped-gemm (validate_args reads the CUDA device's compute capability: the line validates without
     it), --tp-comm-overlap (initialize_megatron's _initialize_tp_communicators imports TE) and
     --batch-invariant-mode (initialize_megatron turns on megatron-core's batch_invariant_kernels, a module that
-    imports Triton at load: here it cannot be loaded, and bitdet's CPU stand-in for it raises saying so).
+    imports Triton at load: without Triton it cannot be loaded, and bitdet's CPU stand-in for it raises saying so;
+    with Triton (megatron-core 0.18+ needs it) the real module loads, and turning it on fails in megatron-core
+    itself: it binds its Triton kernels for the CPU and then imports Transformer Engine to patch its kernels).
     TransformerConfig's 'only supports FlashAttention' assert comes later, at model build, and holds on every
     machine (Megatron's own refusal of a batch-invariant line without --attention-backend flash)."""
     import argparse
@@ -658,13 +670,15 @@ def test_the_rows_megatron_lm_fails_on_before_the_model_is_built():
     from megatron_bitdet.megatron_lm.machine import missing
     from test_megatron_lm import MAMBA
 
-    if torch.cuda.is_available() or importlib.util.find_spec("triton") is not None:
-        pytest.skip("judges a machine without a GPU and Triton")
+    if torch.cuda.is_available():
+        pytest.skip("judges a machine without a GPU")
     if MEGATRON_LM not in sys.path:
         sys.path.append(MEGATRON_LM)  # as the entry point puts the script's folder
     cpu_training.install()
     from megatron.training import initialize
     from megatron.training.arguments import add_megatron_arguments, validate_args
+
+    validate_args = inspect.unwrap(validate_args)  # Megatron's own: from 0.18 an in-process --check wraps it there
 
     runs_here = dict(transformer_impl="local", spec=None, position_embedding_type="none", no_persist_layer_norm=True)
     rows = lambda **flags: [r.what for r in missing(argparse.Namespace(**runs_here, **flags), None,  # noqa: E731
@@ -686,21 +700,35 @@ def test_the_rows_megatron_lm_fails_on_before_the_model_is_built():
     assert rows(tp_comm_overlap=True) == ["--tp-comm-overlap"]
     import megatron.core.transformer.custom_layers as layers
 
-    real = importlib.util.spec_from_file_location("batch_invariant_kernels_as_shipped",
-                                                  os.path.join(os.path.dirname(layers.__file__),
-                                                               "batch_invariant_kernels.py"))
-    with pytest.raises(ModuleNotFoundError, match="triton"):
-        real.loader.exec_module(importlib.util.module_from_spec(real))
     assert "if args.batch_invariant_mode:" in source and "enable_batch_invariant_mode()" in source
-    with pytest.raises(BitdetError, match="Triton is unavailable here"):
-        initialize.enable_batch_invariant_mode()
+    if importlib.util.find_spec("triton") is None:
+        real = importlib.util.spec_from_file_location("batch_invariant_kernels_as_shipped",
+                                                      os.path.join(os.path.dirname(layers.__file__),
+                                                                   "batch_invariant_kernels.py"))
+        with pytest.raises(ModuleNotFoundError, match="triton"):
+            real.loader.exec_module(importlib.util.module_from_spec(real))
+        with pytest.raises(BitdetError, match="Triton is unavailable here"):
+            initialize.enable_batch_invariant_mode()
+    else:
+        from megatron.core.transformer.custom_layers import batch_invariant_kernels
+
+        assert initialize.enable_batch_invariant_mode is batch_invariant_kernels.enable_batch_invariant_mode
+        try:
+            with pytest.raises(ModuleNotFoundError, match="transformer_engine"):
+                initialize.enable_batch_invariant_mode()
+        finally:  # it bound its kernels to aten's CPU ops before failing: unbind them for this process
+            batch_invariant_kernels.disable_batch_invariant_mode()
     from megatron.core.transformer import TransformerConfig
     from megatron.core.transformer.enums import AttnBackend
 
     base = dict(num_layers=1, hidden_size=8, num_attention_heads=2, batch_invariant_mode=True)
     with pytest.raises(AssertionError, match="only supports FlashAttention"):
         TransformerConfig(**base)
-    TransformerConfig(**base, attention_backend=AttnBackend.flash)
+    # from 0.19 it also asserts no attention dropout and a pinned --flash-attention-version 3 or 4 (a field
+    # 0.16.1's config lacks)
+    pinned = {"flash_attention_version": 3} if "flash_attention_version" in TransformerConfig.__dataclass_fields__ \
+        else {}
+    TransformerConfig(**base, attention_backend=AttnBackend.flash, attention_dropout=0.0, **pinned)
     assert rows(batch_invariant_mode=True) == ["--batch-invariant-mode"]
 
 
