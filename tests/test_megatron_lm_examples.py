@@ -9,7 +9,8 @@ Sources, all at Megatron-LM core_v0.16.1:
   ``--train-iters``; core_v0.19.0's script passes its ``--step-batch-size-schedule`` split into words by an
   unquoted array expansion): exit 2 before any rank, naming the refusal.
 - ``examples/mamba/train.sh``: read from the checkout (``test_megatron_lm_lines.train_sh``), at TP 2 on 2 ranks,
-  one micro-batch (its 4) per step.
+  one micro-batch (its 4) per step; core_v0.19.0's (``--hybrid-layer-pattern``, its hybrid TE spec) launched as
+  it says, through ``pretrain_hybrid.py``.
 - ``examples/mixtral/train_mixtral_8x7b_distributed.sh`` (the MoE line resuming with ``--no-load-optim
   --no-load-rng``) and ``examples/llama/train_llama3_8b_h100_fp8.sh`` (FP8, ``--exit-duration-in-mins``,
   ``--profile``): not laid beside the sources, so their words are held below as bash passes them (the Llama
@@ -27,7 +28,8 @@ from pathlib import Path
 import pytest
 
 from megatron_bitdet.cli import main as bitdet
-from test_megatron_lm_lines import machine_section, train_sh
+from test_megatron_lm import HYBRID
+from test_megatron_lm_lines import TRAIN_SH_SPEC, machine_section, train_sh
 
 MEGATRON_LM = os.environ.get("MEGATRON_LM_PATH")
 pytestmark = [pytest.mark.megatron_lm,  # conftest: skipped naming why without a checkout; a failure under .ci/run
@@ -100,8 +102,8 @@ EXAMPLES = {
                       [TE, ROPE, FP8, GRAD_ACCUM, SOFTMAX, PERSIST,
                        ("--apply-layernorm-1p", "drop --apply-layernorm-1p"),
                        ("--profile (Nsight, from --profile-step-start 4)", "drop --profile")]),
-    "mamba_train_sh": ("pretrain_mamba.py", None, 3, [],
-                       [("--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec",
+    "mamba_train_sh": (HYBRID, None, 3, [],
+                       [(f"--spec {TRAIN_SH_SPEC}",
                          "use --spec megatron_bitdet.megatron_lm.specs local_mamba_stack_spec"), GRAD_ACCUM, SOFTMAX]),
 }
 

@@ -43,11 +43,17 @@ def replace(words: list, flag: str, nvalues: int, new: list) -> list:
 def train_sh(tmp_path: Path, **sizes: str) -> list[str]:
     """examples/mamba/train.sh's options, as written, for its 8B case shrunk; HF/SentencePiece tokenizer and
     data path swapped for NullTokenizer and mock data. 13 layers: the fewest that keep an attention layer at
-    its --hybrid-attention-ratio 0.08. ``sizes``: other values for its variables (the README's line)."""
+    core_v0.16.1's --hybrid-attention-ratio 0.08; core_v0.19.0's script names the layers by
+    --hybrid-layer-pattern instead, given here as the pattern 0.16.1 allocates for those 13 (Megatron's
+    allocate_layers(13, 0.08, 0.5)), so both tags build the same stack. The script runs ``HYBRID`` (its
+    torchrun line: pretrain_mamba.py, pretrain_hybrid.py from 0.19). ``sizes``: other values for its
+    variables (the README's line)."""
     text = (Path(MEGATRON_LM) / "examples" / "mamba" / "train.sh").read_text()
+    assert f"../../{HYBRID} " in text and f"--spec {TRAIN_SH_SPEC} " in text, "train.sh is not of HYBRID's tag"
     start = text.index('options="') + len('options="')
     block = text[start:text.index('"', start)].replace("\\\n", " ")
-    values = {"TENSOR_MODEL_PARALLEL_SIZE": "4", "NUM_LAYERS": "13", "HIDDEN_SIZE": "256", "NUM_ATTENTION_HEADS": "8",
+    values = {"TENSOR_MODEL_PARALLEL_SIZE": "4", "NUM_LAYERS": "13", "HYBRID_LAYER_PATTERN": "M-M-M-*M-M-M-",
+              "HIDDEN_SIZE": "256", "NUM_ATTENTION_HEADS": "8",
               "GLOBAL_BATCH_SIZE": "8", "SEQ_LEN": "64", "TRAIN_SAMPLES": "16", "LR_WARMUP_SAMPLES": "4",
               "LR_DECAY_SAMPLES": "12", "CHECKPOINT_DIR": str(tmp_path / "checkpoints"),
               "DATACACHE_DIR": str(tmp_path / "data-cache"), "TENSORBOARD_DIR": str(tmp_path / "tensorboard"),
@@ -76,7 +82,10 @@ NANO = ("--hybrid-override-pattern MEM*EME --num-layers 7 --hidden-size 128 --ff
         "--train-iters 4 --lr 8e-4 --min-lr 8e-6 --lr-decay-style cosine "
         "--mock-data --tokenizer-type NullTokenizer --vocab-size 256 --deterministic-mode").split()
 NANO_FUSIONS = {"--moe-permute-fusion": "moe_permute_fusion", "--cross-entropy-loss-fusion": "cross_entropy_loss_fusion"}
-TRAIN_SH_MACHINE = ["--spec megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec:",
+# train.sh's --spec: megatron-core's TE hybrid stack as its tag names it
+TRAIN_SH_SPEC = "megatron.core.models.hybrid.hybrid_layer_specs hybrid_stack_spec" if HYBRID == "pretrain_hybrid.py" \
+    else "megatron.core.models.mamba.mamba_layer_specs mamba_stack_spec"
+TRAIN_SH_MACHINE = [f"--spec {TRAIN_SH_SPEC}:",
                     "gradient-accumulation fusion (on by default):",
                     "masked-softmax fusion (on by default) with --bf16/--fp16:"]
 
@@ -109,7 +118,7 @@ def test_train_sh_check_names_only_what_this_machine_cannot_run_and_its_fixes_ru
     row for Megatron's --transformer-impl default), Apex's gradient-accumulation fusion and the bf16 fused softmax in their own section (exit 3); with the rows'
     fixes applied the line is clean (exit 0), and the manifest is the validated 8-rank TP 4 run."""
     line = [*train_sh(tmp_path), "--deterministic-mode"]
-    check = ["megatron-lm", "--check", "--nproc", "8", script("pretrain_mamba.py")]
+    check = ["megatron-lm", "--check", "--nproc", "8", script(HYBRID)]
     # train.sh exports it; Megatron's validate_args asserts it for TP > 1 (before Blackwell; no GPU here)
     assert bitdet([*check, *line]) == 2
     assert "CUDA_DEVICE_MAX_CONNECTIONS to 1" in capsys.readouterr().err
@@ -122,7 +131,7 @@ def test_train_sh_check_names_only_what_this_machine_cannot_run_and_its_fixes_ru
     assert [r.split(" needs ")[0] for r in rows] == TRAIN_SH_MACHINE, rows
     fixed = apply_fixes(line, rows)
     rc = bitdet(["megatron-lm", "--check", "--nproc", "8", "--run-dir", str(tmp_path / "run"),
-                 script("pretrain_mamba.py"), *fixed])
+                 script(HYBRID), *fixed])
     out = capsys.readouterr().out
     assert rc == 0 and not machine_section(out), out
     manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
@@ -135,7 +144,7 @@ def test_train_sh_check_names_only_what_this_machine_cannot_run_and_its_fixes_ru
 def test_train_sh_launch_refuses_before_any_rank_starts_listing_every_flag(tmp_path, capsys, monkeypatch):
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     run = tmp_path / "run"
-    rc = bitdet(["megatron-lm", "--nproc", "8", "--run-dir", str(run), script("pretrain_mamba.py"),
+    rc = bitdet(["megatron-lm", "--nproc", "8", "--run-dir", str(run), script(HYBRID),
                  *train_sh(tmp_path), "--deterministic-mode"])
     err = capsys.readouterr().err
     assert rc == 2
@@ -791,7 +800,7 @@ def test_mamba_groups_and_an_unimportable_spec_exit_2_before_any_rank_naming_the
     the line with it gets past). A --spec module that does not import is named with its error, not read
     as "without --spec" (megatron-core's importer returns None)."""
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
-    check = ["megatron-lm", "--check", "--nproc", "8", script("pretrain_mamba.py")]
+    check = ["megatron-lm", "--check", "--nproc", "8", script(HYBRID)]
     line = [*train_sh(tmp_path, HIDDEN_SIZE="128"), "--deterministic-mode"]
     assert bitdet([*check, *line]) == 2
     err = capsys.readouterr().err

@@ -27,8 +27,8 @@ from pathlib import Path
 import pytest
 
 from megatron_bitdet.cli import main as bitdet
-from test_megatron_lm import GPT, MAMBA, REPO, last_json, line_recipe, script
-from test_megatron_lm_lines import apply_fixes, machine_section, replace, train_sh
+from test_megatron_lm import GPT, HYBRID, MAMBA, REPO, last_json, line_recipe, script
+from test_megatron_lm_lines import TRAIN_SH_SPEC, apply_fixes, machine_section, replace, train_sh
 
 pytestmark = pytest.mark.timeout(1800)  # a session fixture makes two 2-rank launches in one test's setup
 megatron_lm = pytest.mark.megatron_lm  # conftest: skipped naming why without a checkout; a failure under .ci/run
@@ -216,13 +216,17 @@ def test_async_save_with_its_worker_is_a_row_of_what_this_machine_cannot_run(tmp
 
 @megatron_lm
 @pytest.mark.parametrize("name, line, flag, fix", [
-    ("pretrain_mamba.py", [*replace(MAMBA, "--expert-model-parallel-size", 1, []), "--pipeline-model-parallel-size",
-                           "2", "--num-layers-per-virtual-pipeline-stage", "1"],
-     "--num-layers-per-virtual-pipeline-stage", "fix: drop it (pretrain_gpt.py takes it)"),
+    (HYBRID, [*replace(MAMBA, "--expert-model-parallel-size", 1, []), "--pipeline-model-parallel-size",
+              "2", "--num-layers-per-virtual-pipeline-stage", "1"],
+     "--num-layers-per-virtual-pipeline-stage",
+     # megatron-core 0.16.1's MambaStack asserts it inside the ranks: bitdet's refusal; 0.18's HybridStack takes
+     # virtual stages from the pattern's | segments, and core_v0.19.0's validate_args refuses the flag itself
+     "describe a number of pipeline segments in --hybrid-layer-pattern" if HYBRID == "pretrain_hybrid.py"
+     else "fix: drop it (pretrain_gpt.py takes it)"),
 ], ids=["mamba_vpp"])
 def test_refused_before_any_rank_starts_naming_the_flag_and_the_fix(name, line, flag, fix, tmp_path, capsys):
-    """Megatron's MambaStack asserts the virtual pipeline away inside the ranks: exit 2 before any rank
-    starts (--check too)."""
+    """A line the ranks would refuse (0.16.1: MambaStack's assert; 0.19: Megatron's validate_args): exit 2
+    before any rank starts (--check too), naming the flag and the fix."""
     assert bitdet(["megatron-lm", "--nproc", "2", "--run-dir", str(tmp_path / "run"), script(name), *line]) == 2
     err = capsys.readouterr().err
     assert flag in err and fix in err, err
@@ -271,21 +275,32 @@ def pasted_block() -> list[str]:
 def test_readme_pasted_nvidia_line_checks_then_trains_as_written(tmp_path, capsys, monkeypatch):
     """The README's line is the checkout's train.sh with the sizes it names; --check prints exactly the rows
     the README shows (exit 3); FIXES is what those rows say to add; with them --check exits 0 and the line
-    trains 3 iterations on TP 2 with train.sh's production flags."""
+    trains 3 iterations on TP 2 with train.sh's production flags. With core_v0.19.0's checkout: the block with
+    the three changes the README names after it."""
     block = pasted_block()
     values = {line.split("=", 1)[0]: shlex.split(line.split("=", 1)[1])[0].split() for line in block
               if line.startswith(("NVIDIA=", "FIXES="))}
     nvidia, fixes = values["NVIDIA"], values["FIXES"]
     sizes = dict(TENSOR_MODEL_PARALLEL_SIZE="2", SEQ_LEN="32", GLOBAL_BATCH_SIZE="4", TRAIN_SAMPLES="12",
                  LR_WARMUP_SAMPLES="4", LR_DECAY_SAMPLES="8")
-    assert nvidia == replace(train_sh(Path("runs/nv"), **sizes), "--eval-iters", 1, ["--eval-iters", "1"])
-    assert any(line.startswith("export CUDA_DEVICE_MAX_CONNECTIONS=1 ") for line in block)
     shown = block[block.index("#   will not run on this machine:") + 1:]
     rows = [line.lstrip("# ") for line in shown[:next(i for i, x in enumerate(shown) if not x.startswith("#"))]]
+    if HYBRID == "pretrain_hybrid.py":  # core_v0.19.0's train.sh: the block with the README's three changes
+        changes = " ".join((REPO / "README.md").read_text().split("With Megatron-LM core_v0.19.0's train.sh", 1)[1]
+                           .split("\n\n", 1)[0].split())
+        pattern = re.search(r"`--hybrid-layer-pattern (\S+)`", changes).group(1)
+        old_spec = nvidia[nvidia.index("--spec") + 1:nvidia.index("--spec") + 3]
+        assert f"`{TRAIN_SH_SPEC}`" in changes and "`$MEGATRON_LM_PATH/pretrain_hybrid.py`" in changes, changes
+        nvidia = replace(nvidia, "--num-layers", 1, ["--hybrid-layer-pattern", pattern])
+        nvidia = replace(replace(nvidia, "--hybrid-attention-ratio", 1, []), "--hybrid-mlp-ratio", 1, [])
+        nvidia = replace(nvidia, "--spec", 2, ["--spec", *TRAIN_SH_SPEC.split()])
+        rows[0] = rows[0].replace(" ".join(old_spec), TRAIN_SH_SPEC)
+    assert nvidia == replace(train_sh(Path("runs/nv"), **sizes), "--eval-iters", 1, ["--eval-iters", "1"])
+    assert any(line.startswith("export CUDA_DEVICE_MAX_CONNECTIONS=1 ") for line in block)
     assert apply_fixes(nvidia, rows)[len(nvidia) - 3:] == fixes
     monkeypatch.setenv("CUDA_DEVICE_MAX_CONNECTIONS", "1")
     monkeypatch.chdir(tmp_path)
-    expand = {"$MEGATRON_LM_PATH/pretrain_mamba.py": [script("pretrain_mamba.py")], "$NVIDIA": nvidia, "$FIXES": fixes}
+    expand = {"$MEGATRON_LM_PATH/pretrain_mamba.py": [script(HYBRID)], "$NVIDIA": nvidia, "$FIXES": fixes}
     commands = [[x for w in shlex.split(line.split("#")[0])[1:] for x in expand.get(w, [w])]
                 for line in block if line.startswith("bitdet ")]
     assert len(commands) == 3

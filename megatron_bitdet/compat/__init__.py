@@ -5,5 +5,5 @@ megatron's import-time copies of a function. ``cpu_backend``: the CPU seams. ``p
 declared swaps (``patches/*.yaml``). ``collectives``: torch.distributed swaps. ``checkpoint``: the
 optimizer-restore workarounds. ``buffers``: megatron's scratch memory. ``builders``: layer-spec builder
 shapes. ``args_entry``: where Megatron-LM takes the launch line. ``rng_checkpoint``: the EP ranks'
-checkpointed RNG states.
+checkpointed RNG states. ``hybrid_stack``: the hybrid stack's layers as a launch line gives them, and its virtual pipeline.
 """

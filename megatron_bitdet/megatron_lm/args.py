@@ -83,14 +83,13 @@ def _attention_backend(a):
 
 
 def hybrid_pattern(a) -> str:
-    """One symbol per layer: Mamba's pattern as given/allocated; a GPT layer is attention then MLP or MoE."""
-    if getattr(a, "hybrid_override_pattern", None) or getattr(a, "is_hybrid_model", False) \
-            or getattr(a, "hybrid_attention_ratio", 0.0):
-        if getattr(a, "hybrid_override_pattern", None):
-            return a.hybrid_override_pattern.replace("|", "")
-        from megatron.core.ssm.mamba_hybrid_layer_allocation import allocate_layers
+    """One symbol per layer: the hybrid pattern as given/allocated (``compat.hybrid_stack``); a GPT layer is
+    attention then MLP or MoE."""
+    from megatron_bitdet.compat.hybrid_stack import decoder_pattern
 
-        return "".join(allocate_layers(a.num_layers, a.hybrid_attention_ratio, a.hybrid_mlp_ratio, None))
+    hybrid = decoder_pattern(a)
+    if hybrid is not None:
+        return hybrid
     freq = getattr(a, "moe_layer_freq", 1)
     n = a.num_layers or 0
     moe = [bool(getattr(a, "num_experts", None))] * n

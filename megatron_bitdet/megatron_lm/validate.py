@@ -86,11 +86,15 @@ def refusal(exc: BaseException) -> str:
 
 def unsupported(args, script: str) -> list[str]:
     """Production flags bitdet cannot hold to its guarantees (or Megatron cannot build), refused before any
-    rank starts (exit 2), each naming the flag and the fix, every one at once: megatron-core's ``MambaStack``
-    asserts the virtual pipeline away, and its ``MambaMixer`` the head / group counts that do not divide
-    (``_mamba_heads``)."""
+    rank starts (exit 2), each naming the flag and the fix, every one at once: 0.16.1's ``MambaStack`` asserts
+    the virtual pipeline away (0.18+: Megatron's own ``validate_args`` refuses the flags beside a hybrid pattern,
+    reported as its refusal; ``compat.hybrid_stack``), and its ``MambaMixer`` the head / group counts that do
+    not divide (``_mamba_heads``)."""
+    from megatron_bitdet.compat.hybrid_stack import stack_refuses_virtual_pipeline
+
     problems = []
-    if script == "pretrain_mamba.py" and getattr(args, "virtual_pipeline_model_parallel_size", None):
+    if script in HYBRID_SCRIPTS and getattr(args, "virtual_pipeline_model_parallel_size", None) \
+            and stack_refuses_virtual_pipeline():
         problems.append("--num-layers-per-virtual-pipeline-stage / --num-virtual-stages-per-pipeline-rank: "
                         "megatron-core's MambaStack asserts 'The Mamba hybrid model does not currently support "
                         "virtual/interleaved pipeline parallelism'; fix: drop it (pretrain_gpt.py takes it)")
