@@ -118,13 +118,17 @@ def test_replay_counterfactual_restoring_the_planted_params_brings_its_outputs_b
     for rank in (0, 1):  # bitwise up to the change, different at it
         orig, rep = rank_lines(root / "run", rank), rank_lines(Path(prev["out"]), rank)
         assert rep[3] == orig[3] and rep[4] == orig[4] and rep[K] != orig[K]
-    # with its params of the step before, fc2's outputs at 5 are back at their range at 3-4 on every rank (a
-    # step's ordinary drift: score < 0.1, where the planted step scores > 2)
+    # with its params of the step before, fc2's outputs at 5 are back at their range at 3-4 on every rank: no
+    # further out than the step's ordinary drift, the largest score of the modules that do not hold fc2, itself
+    # < 1 (the planted step scores > 2, and > 1 downstream). That drift is the data's and the init's: 0.25-0.4
+    # on megatron-core 0.16.1 (fc2 0.0-0.005), 0.11-0.22 on 0.19.2 (fc2 0.008-0.14, out_max on rank 0)
     from megatron_bitdet.analysis.spike import load_stats, rank_modules
 
     for rank, records in load_stats(prev["out"], 2).items():
-        (fc2,) = [d for d in rank_modules(records, K, [3, 4], rank) if d.module == FC2]
-        assert fc2.score < 0.1, fc2
+        ranked = rank_modules(records, K, [3, 4], rank)
+        (fc2,) = [d for d in ranked if d.module == FC2]
+        drift = max(d.score for d in ranked if not f"{FC2}.".startswith(f"{d.module}."))
+        assert fc2.score <= drift < 1, (fc2, drift)
     assert prev["loss"][str(K)] != prev["original_loss"]
     assert f"previous step's params for {FC2}" in text
 
