@@ -266,8 +266,10 @@ class Table:
         return self.deadline - time.monotonic()
 
     def add(self, row: Row) -> None:
+        """Streamed on a line of its own: a launch's ranks share this stderr, and what they leave unterminated
+        (Triton's nanobind leak report at exit, where megatron-core 0.18+ imported Triton) would head the line."""
         self.rows.append(row)
-        print("row: " + " | ".join(str(c) for c in row), file=sys.stderr, flush=True)
+        print("\nrow: " + " | ".join(str(c) for c in row), file=sys.stderr, flush=True)
 
     def check(self, name: str, rows_of) -> None:
         """``rows_of()`` yields the check's rows; whatever it raises is this check's last row."""

@@ -13,10 +13,16 @@ Megatron-LM's ``--deterministic-mode`` does to the process on top of it.
   flag it sets is set (bitdet's rules refuse what those asserts refuse).
 
 Neither touches torch's ``fill_uninitialized_memory``: its default (on) stays, as under Megatron-LM.
+
+Importing ``megatron.training`` (0.19's wheel ships it) runs Megatron-LM's ``training.py``, whose module-level
+``logging.basicConfig`` sends every INFO record to stdout: that is Megatron-LM's launch logging, not its
+deterministic mode, so the root logger is left as it was (else megatron-core's INFO lines, per model build and
+DDP bucket, land in the measuring process's stdout: ``gpu_check.py``'s table).
 """
 from __future__ import annotations
 
 import functools
+import logging
 from argparse import Namespace
 
 import torch
@@ -44,7 +50,12 @@ def apply(recipe) -> None:
     if not _has_module():
         torch.use_deterministic_algorithms(True)
         return
-    from megatron.training.determinism import apply_determinism_to_args
-
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    try:
+        from megatron.training.determinism import apply_determinism_to_args
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
     apply_determinism_to_args(Namespace(cross_entropy_loss_fusion=recipe.model.cross_entropy_loss_fusion,
                                         tp_comm_overlap=recipe.parallel.tp_comm_overlap))
