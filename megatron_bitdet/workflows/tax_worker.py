@@ -193,13 +193,12 @@ def _build(side: Side, provider) -> None:
 def _step(side: Side) -> None:
     """The training loop's step (``train.loop.train_step``), minus fingerprints and checkpoints."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker
-
+    from megatron_bitdet.compat import moe_tracker
     from megatron_bitdet.train.loop import train_step
 
     train_step(side.state, side.data, get_forward_backward_func())
     side.det_flag_seen.add(torch.are_deterministic_algorithms_enabled())
-    clear_aux_losses_tracker()
+    moe_tracker.clear()
 
 
 def _timed_step(side: Side, comm: CommTimer, memory: PeakMemory, record: bool) -> None:
